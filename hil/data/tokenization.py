@@ -1,0 +1,114 @@
+"""ColBERTv1 tokenization: ``[CLS] [Q]/[D] tokens [SEP]``, ``[MASK]`` query augmentation, punctuation masking.
+
+Choices (ColBERT v1, Khattab & Zaharia 2020, and the issue):
+- The marker tokens are the unused vocabulary entries ``[unused0]`` (query) and ``[unused1]`` (document), as in
+  the original ColBERT; another tokenizer can name its own markers. A tokenizer without them is refused.
+- Queries are padded with ``[MASK]`` to exactly ``query_maxlen`` and the padding is *attended to* (query
+  augmentation); every query position takes part in scoring.
+- Documents are truncated to ``doc_maxlen`` tokens in total (markers included), padded to the longest in the batch.
+  Punctuation tokens stay in the encoder input but are dropped from scoring (``scoring_mask``), as ColBERT does.
+"""
+
+from __future__ import annotations
+
+import string
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedTokenizerBase
+
+QUERY_MARKER = "[unused0]"
+DOC_MARKER = "[unused1]"
+
+
+@dataclass
+class TokenizedBatch:
+    input_ids: Tensor       # (B, L) long
+    attention_mask: Tensor  # (B, L) long, what the encoder attends to
+    scoring_mask: Tensor    # (B, L) bool, which output vectors take part in late interaction
+
+    def to(self, device: torch.device | str) -> "TokenizedBatch":
+        return TokenizedBatch(self.input_ids.to(device), self.attention_mask.to(device), self.scoring_mask.to(device))
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+
+class MarkerTokenError(ValueError):
+    pass
+
+
+class ColBERTTokenizer:
+    """Wraps a Hugging Face tokenizer with ColBERT's query/document conventions."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, query_maxlen: int = 32, doc_maxlen: int = 180,
+                 query_marker: str = QUERY_MARKER, doc_marker: str = DOC_MARKER, mask_punctuation: bool = True):
+        if query_maxlen < 4 or doc_maxlen < 3:
+            raise ValueError(f"query_maxlen must be >= 4 and doc_maxlen >= 3 (got {query_maxlen}, {doc_maxlen})")
+        limit = getattr(tokenizer, "model_max_length", None) or 10**9
+        if max(query_maxlen, doc_maxlen) > limit:
+            raise ValueError(f"query_maxlen/doc_maxlen ({query_maxlen}/{doc_maxlen}) exceed the tokenizer's "
+                             f"model_max_length {limit}")
+        self.tokenizer = tokenizer
+        self.query_maxlen = query_maxlen
+        self.doc_maxlen = doc_maxlen
+        self.mask_punctuation = mask_punctuation
+        self.query_marker_id = self._marker_id(query_marker, "query_marker")
+        self.doc_marker_id = self._marker_id(doc_marker, "doc_marker")
+        for name in ("cls_token_id", "sep_token_id", "pad_token_id", "mask_token_id"):
+            if getattr(tokenizer, name) is None:
+                raise MarkerTokenError(f"tokenizer {tokenizer.name_or_path!r} has no {name.removesuffix('_id')}; "
+                                       "ColBERT needs [CLS], [SEP], [PAD] and [MASK] (use a BERT-family tokenizer)")
+        self.punctuation_ids = torch.tensor(sorted(self._punctuation_ids()), dtype=torch.long)
+
+    def _marker_id(self, token: str, field: str) -> int:
+        ids = self.tokenizer.convert_tokens_to_ids([token])
+        unk = self.tokenizer.unk_token_id
+        if not ids or ids[0] is None or ids[0] == unk:
+            raise MarkerTokenError(
+                f"tokenizer {self.tokenizer.name_or_path!r} has no token {token!r} for the {field}; "
+                f"set model.{field} to an unused vocabulary token of this tokenizer")
+        return int(ids[0])
+
+    def _punctuation_ids(self) -> set[int]:
+        ids = set()
+        for symbol in string.punctuation:
+            pieces = self.tokenizer.encode(symbol, add_special_tokens=False)
+            if len(pieces) == 1:
+                ids.add(pieces[0])
+        return ids
+
+    def _encode(self, texts: list[str], marker_id: int, body_len: int) -> list[list[int]]:
+        # Tokenize without special tokens, then build [CLS] marker body [SEP] ourselves: model-independent.
+        bodies = self.tokenizer(list(texts), add_special_tokens=False, truncation=True, max_length=body_len,
+                                return_attention_mask=False)["input_ids"]
+        cls, sep = self.tokenizer.cls_token_id, self.tokenizer.sep_token_id
+        return [[cls, marker_id, *body, sep] for body in bodies]
+
+    def encode_queries(self, texts: list[str]) -> TokenizedBatch:
+        rows = self._encode(texts, self.query_marker_id, self.query_maxlen - 3)
+        ids = torch.full((len(rows), self.query_maxlen), self.tokenizer.mask_token_id, dtype=torch.long)
+        for i, row in enumerate(rows):
+            ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+        ones = torch.ones_like(ids)
+        return TokenizedBatch(ids, ones, ones.bool())
+
+    def encode_documents(self, texts: list[str]) -> TokenizedBatch:
+        rows = self._encode(texts, self.doc_marker_id, self.doc_maxlen - 3)
+        width = max((len(r) for r in rows), default=3)
+        ids = torch.full((len(rows), width), self.tokenizer.pad_token_id, dtype=torch.long)
+        attention = torch.zeros_like(ids)
+        for i, row in enumerate(rows):
+            ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+            attention[i, : len(row)] = 1
+        scoring = attention.bool()
+        if self.mask_punctuation and len(self.punctuation_ids):
+            scoring &= ~torch.isin(ids, self.punctuation_ids)
+        return TokenizedBatch(ids, attention, scoring)
+
+    def settings(self) -> dict:
+        return {"query_maxlen": self.query_maxlen, "doc_maxlen": self.doc_maxlen,
+                "query_marker": self.tokenizer.convert_ids_to_tokens(self.query_marker_id),
+                "doc_marker": self.tokenizer.convert_ids_to_tokens(self.doc_marker_id),
+                "mask_punctuation": self.mask_punctuation}

@@ -1,0 +1,189 @@
+"""Multi-vector encoders: a Hugging Face backbone, one or more linear heads, L2-normalized token embeddings.
+
+``ColBERTEncoder`` is ColBERT v1: ``normalize(W h_i)`` for each last-hidden-state vector ``h_i`` (no bias, as
+the original). Every encoder exposes the same small surface so that training, indexing and search do not care
+which model they hold: ``head_names``, ``encode_queries``, ``encode_documents`` and ``score``.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import AutoModel, AutoTokenizer, PreTrainedModel
+from transformers.utils import logging as hf_logging
+
+from hil.data.tokenization import DOC_MARKER, QUERY_MARKER, ColBERTTokenizer, TokenizedBatch
+from hil.modeling.scoring import late_interaction, late_interaction_matrix
+from hil.paths import resolve_model
+from hil.provenance import provenance
+
+CONFIG_NAME = "hil_config.json"
+HEADS_NAME = "hil_heads.pt"
+
+
+@dataclass
+class EncodedBatch:
+    """Token embeddings of a batch, one tensor per head, sharing tokens and masks."""
+
+    heads: dict[str, Tensor]  # head name -> (B, L, D), L2-normalized, zero where scoring_mask is False
+    mask: Tensor              # (B, L) bool: tokens that take part in late interaction
+    input_ids: Tensor         # (B, L)
+
+    def __len__(self) -> int:
+        return self.mask.shape[0]
+
+    def select(self, index: Tensor | slice) -> "EncodedBatch":
+        return EncodedBatch({k: v[index] for k, v in self.heads.items()}, self.mask[index], self.input_ids[index])
+
+
+@contextmanager
+def _quiet_transformers():
+    previous = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(previous)
+
+
+def load_backbone(name_or_path: str) -> tuple[PreTrainedModel, Any]:
+    """Load a BERT-family backbone and its tokenizer from a hub name or local directory (no pooler or MLM head used)."""
+    source = resolve_model(name_or_path)
+    with _quiet_transformers():
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source)
+        except OSError as error:
+            raise FileNotFoundError(
+                f"cannot load a tokenizer from {name_or_path!r}: not a local model directory, not reachable on the "
+                f"Hugging Face hub, and not found under HIL_MODELS_DIR ({error.__class__.__name__})") from None
+        try:
+            model = AutoModel.from_pretrained(source, add_pooling_layer=False)
+        except TypeError:  # architectures without a pooler flag
+            model = AutoModel.from_pretrained(source)
+    return model, tokenizer
+
+
+class MultiVectorEncoder(nn.Module):
+    """Shared plumbing: backbone + tokenizer, encode helpers, settings, export and loading."""
+
+    architecture: ClassVar[str]
+    head_names: ClassVar[tuple[str, ...]]
+
+    def __init__(self, backbone: str = "bert-base-uncased", dim: int = 128, query_maxlen: int = 32,
+                 doc_maxlen: int = 180, query_marker: str = QUERY_MARKER, doc_marker: str = DOC_MARKER,
+                 mask_punctuation: bool = True, _loaded: tuple[PreTrainedModel, Any] | None = None):
+        super().__init__()
+        self.backbone_name = backbone
+        self.backbone, hf_tokenizer = _loaded if _loaded is not None else load_backbone(backbone)
+        self.tokenizer = ColBERTTokenizer(hf_tokenizer, query_maxlen, doc_maxlen, query_marker, doc_marker,
+                                          mask_punctuation)
+        self.dim = dim
+        self.hidden_size = int(self.backbone.config.hidden_size)
+
+    # -- what subclasses define -------------------------------------------------------------------------------
+    def embed(self, batch: TokenizedBatch, is_query: bool) -> dict[str, Tensor]:
+        """Head name -> (B, L, D) L2-normalized token embeddings."""
+        raise NotImplementedError
+
+    def score(self, queries: EncodedBatch, docs: EncodedBatch) -> Tensor:
+        """Relevance of every query to every document. -> (Bq, Bd)"""
+        raise NotImplementedError
+
+    def score_pairs(self, queries: EncodedBatch, docs: EncodedBatch) -> Tensor:
+        """Relevance of query i to document i. -> (B,)"""
+        raise NotImplementedError
+
+    def extra_settings(self) -> dict[str, Any]:
+        return {}
+
+    # -- shared -------------------------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    def encode(self, batch: TokenizedBatch, is_query: bool) -> EncodedBatch:
+        batch = batch.to(self.device)
+        heads = self.embed(batch, is_query)
+        keep = batch.scoring_mask.unsqueeze(-1).to(next(iter(heads.values())).dtype)
+        return EncodedBatch({k: v * keep for k, v in heads.items()}, batch.scoring_mask, batch.input_ids)
+
+    def encode_queries(self, texts: list[str]) -> EncodedBatch:
+        return self.encode(self.tokenizer.encode_queries(texts), is_query=True)
+
+    def encode_documents(self, texts: list[str]) -> EncodedBatch:
+        return self.encode(self.tokenizer.encode_documents(texts), is_query=False)
+
+    def settings(self) -> dict[str, Any]:
+        return {"architecture": self.architecture, "backbone": self.backbone_name, "dim": self.dim,
+                **self.tokenizer.settings(), **self.extra_settings()}
+
+    def save_pretrained(self, directory: str | Path, extra: dict[str, Any] | None = None) -> Path:
+        """Write backbone + tokenizer (loadable by ``AutoModel.from_pretrained``), the heads and a settings JSON."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self.backbone.save_pretrained(directory)
+        self.tokenizer.tokenizer.save_pretrained(directory)
+        head_state = {k: v.detach().cpu() for k, v in self.state_dict().items() if not k.startswith("backbone.")}
+        torch.save(head_state, directory / HEADS_NAME)
+        from hil.provenance import write_json_atomic
+
+        write_json_atomic(directory / CONFIG_NAME, provenance(self.settings(), **(extra or {})))
+        return directory
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path) -> "MultiVectorEncoder":
+        directory = Path(directory)
+        config = read_export_config(directory)
+        settings = dict(config["settings"])
+        if settings.pop("architecture") != cls.architecture:
+            raise ValueError(f"{directory / CONFIG_NAME}: architecture is {config['settings']['architecture']!r}, "
+                             f"not {cls.architecture!r}; use hil.modeling.load_encoder")
+        settings["backbone"] = str(directory)
+        encoder = cls(**settings)
+        heads = torch.load(directory / HEADS_NAME, map_location="cpu", weights_only=True)
+        missing, unexpected = encoder.load_state_dict(heads, strict=False)
+        unexpected = [k for k in unexpected if not k.startswith("backbone.")]
+        missing = [k for k in missing if not k.startswith("backbone.")]
+        if missing or unexpected:
+            raise ValueError(f"{directory / HEADS_NAME}: missing {missing}, unexpected {unexpected}")
+        return encoder
+
+
+def read_export_config(directory: Path) -> dict[str, Any]:
+    path = directory / CONFIG_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"{directory}: not an exported hil model (no {CONFIG_NAME})")
+    with open(path, encoding="utf-8") as handle:
+        return json.load(handle)
+
+
+class ColBERTEncoder(MultiVectorEncoder):
+    """ColBERT v1: a bias-free linear projection of the last hidden state to ``dim``, then L2 normalization."""
+
+    architecture = "colbert"
+    head_names = ("colbert",)
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.linear = nn.Linear(self.hidden_size, self.dim, bias=False)
+
+    def hidden_states(self, batch: TokenizedBatch) -> Tensor:
+        return self.backbone(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
+
+    def embed(self, batch: TokenizedBatch, is_query: bool) -> dict[str, Tensor]:
+        return {"colbert": F.normalize(self.linear(self.hidden_states(batch)), p=2, dim=-1)}
+
+    def score(self, queries: EncodedBatch, docs: EncodedBatch) -> Tensor:
+        return late_interaction_matrix(queries.heads["colbert"].float(), docs.heads["colbert"].float(),
+                                       queries.mask, docs.mask)
+
+    def score_pairs(self, queries: EncodedBatch, docs: EncodedBatch) -> Tensor:
+        return late_interaction(queries.heads["colbert"].float(), docs.heads["colbert"].float(),
+                                queries.mask, docs.mask)

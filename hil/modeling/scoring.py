@@ -1,0 +1,76 @@
+"""Late interaction (MaxSim) and the losses built on it, as pure tensor functions.
+
+Shapes: B batch, Lq query tokens, Ld document tokens, D embedding dimension. Masks are boolean, True where a
+token takes part. Embeddings are assumed L2-normalized by the encoder, so a dot product is a cosine.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def _masked_max(sim: Tensor, doc_mask: Tensor | None) -> Tensor:
+    """Max over the last axis, ignoring masked document tokens; a document with no token left scores 0."""
+    if doc_mask is None:
+        return sim.max(dim=-1).values
+    sim = sim.masked_fill(~doc_mask, float("-inf"))
+    best = sim.max(dim=-1).values
+    return torch.where(torch.isinf(best), torch.zeros_like(best), best)
+
+
+def maxsim(queries: Tensor, docs: Tensor, doc_mask: Tensor | None = None) -> Tensor:
+    """Per query token, the best match in the paired document: ``max_j E_qi . E_dj`` (inner term of Eq. 1).
+
+    queries (B, Lq, D), docs (B, Ld, D), doc_mask (B, Ld) -> (B, Lq).
+    """
+    sim = torch.einsum("bqd,bkd->bqk", queries, docs)  # (B, Lq, Ld)
+    return _masked_max(sim, None if doc_mask is None else doc_mask[:, None, :])
+
+
+def maxsim_matrix(queries: Tensor, docs: Tensor, doc_mask: Tensor | None = None) -> Tensor:
+    """MaxSim of every query against every document.
+
+    queries (Bq, Lq, D), docs (Bd, Ld, D), doc_mask (Bd, Ld) -> (Bq, Bd, Lq).
+    """
+    sim = torch.einsum("qid,bjd->qbij", queries, docs)  # (Bq, Bd, Lq, Ld)
+    return _masked_max(sim, None if doc_mask is None else doc_mask[None, :, None, :])
+
+
+def sum_query_tokens(token_scores: Tensor, query_mask: Tensor | None) -> Tensor:
+    """Sum per-token scores over the query tokens that take part. token_scores (..., Lq), query_mask (Bq, Lq)."""
+    if query_mask is None:
+        return token_scores.sum(dim=-1)
+    mask = query_mask.to(token_scores.dtype)
+    if token_scores.dim() == 3:  # (Bq, Bd, Lq)
+        mask = mask[:, None, :]
+    return (token_scores * mask).sum(dim=-1)
+
+
+def late_interaction(queries: Tensor, docs: Tensor, query_mask: Tensor | None = None,
+                     doc_mask: Tensor | None = None) -> Tensor:
+    """Eq. 1 of HIL (ColBERT): ``score(q, d) = sum_i max_j E_qi . E_dj`` for paired rows. -> (B,)"""
+    return sum_query_tokens(maxsim(queries, docs, doc_mask), query_mask)
+
+
+def late_interaction_matrix(queries: Tensor, docs: Tensor, query_mask: Tensor | None = None,
+                            doc_mask: Tensor | None = None) -> Tensor:
+    """Eq. 1 for every (query, document) pair. -> (Bq, Bd)"""
+    return sum_query_tokens(maxsim_matrix(queries, docs, doc_mask), query_mask)
+
+
+def pairwise_ce_loss(positive_scores: Tensor, negative_scores: Tensor) -> Tensor:
+    """L_late = CE(score(q, d+), score(q, d-)): softmax cross-entropy over each (positive, negative) pair."""
+    logits = torch.stack([positive_scores, negative_scores], dim=1)  # (B, 2)
+    return F.cross_entropy(logits, torch.zeros(len(logits), dtype=torch.long, device=logits.device))
+
+
+def in_batch_ce_loss(score_matrix: Tensor) -> Tensor:
+    """Cross-entropy where query i's positive is column i and every other column is a negative.
+
+    score_matrix (B, N) with N >= B: the first B columns are the positives of the B queries in order, the rest
+    (e.g. the hard negatives) are negatives for every query.
+    """
+    targets = torch.arange(score_matrix.shape[0], device=score_matrix.device)
+    return F.cross_entropy(score_matrix, targets)
