@@ -1,0 +1,475 @@
+"""Confidence intervals, paired significance tests and score-distribution analyses over per-query metrics.
+
+Sources:
+
+* Paper 004 (Roychowdhury et al., "A Compass for Navigating the World of Sentence Embeddings for the Telecom
+  Domain"), Section 2: m bootstrap samples of l questions (drawn with replacement); Section 2.1 bootstrapped
+  accuracy and its 95% percentile CI (``bootstrap_ci``); Section 2.2 correct/random overlap ECDFs, COE and ROE,
+  Eqs. 1-2 (``overlap_coe_roe``, ``threshold_analysis``); Section 2.3 bootstrapped similarity thresholds
+  tau(psi) (``bootstrap_thresholds``).
+* Paper 001 (HIL), Table 2's dagger: "p-value < 0.01 in comparison to ColBERT" over per-query nDCG@10 — the
+  paper does not name the test; ``paired_t_test`` (the usual choice in IR) plus the distribution-free
+  ``paired_permutation_test`` and ``paired_bootstrap_test`` are offered. Table 4's "BM25-Easy" split:
+  ``bm25_easy_split``.
+
+Per-query inputs are ``{qid: value}`` dicts (or 1-D arrays already aligned). Paired tests align two dicts on
+their query ids; all random draws come from ``numpy.random.default_rng(seed)`` so results are reproducible.
+Percentiles use numpy's default linear interpolation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal, Mapping, Sequence, Union
+
+import numpy as np
+from scipy import stats as scipy_stats
+
+from hil.evaluation.runs import ranked
+
+PerQuery = Union[Mapping[str, float], Sequence[float], np.ndarray]
+Align = Literal["same", "intersection"]
+
+# Bootstrap index matrices are drawn in chunks of about this many entries, to bound memory (m * l can be 1e8).
+_CHUNK_ENTRIES = 1 << 22
+EXACT_PERMUTATION_MAX_N = 16
+
+
+# ----------------------------------------------------------------------------------------------------------
+# input handling
+
+
+def _as_values(per_query: PerQuery, what: str = "per_query") -> np.ndarray:
+    """Values as a float array; dicts are read in sorted-qid order so results do not depend on insertion order."""
+    if isinstance(per_query, Mapping):
+        values = np.asarray([per_query[q] for q in sorted(per_query)], dtype=float)
+    else:
+        values = np.asarray(per_query, dtype=float)
+    if values.ndim != 1:
+        raise ValueError(f"{what}: expected a 1-D sequence of per-query values, got shape {values.shape}")
+    if values.size == 0:
+        raise ValueError(f"{what}: no queries")
+    if not np.all(np.isfinite(values)):
+        raise ValueError(f"{what}: {int(np.sum(~np.isfinite(values)))} value(s) are NaN or infinite")
+    return values
+
+
+def _align(a: PerQuery, b: PerQuery, on: Align) -> tuple[np.ndarray, np.ndarray]:
+    """Two per-query inputs as aligned arrays. Dicts: same query ids required unless ``on="intersection"``."""
+    if on not in ("same", "intersection"):
+        raise ValueError(f"on must be 'same' or 'intersection', got {on!r}")
+    if isinstance(a, Mapping) != isinstance(b, Mapping):
+        raise TypeError("a and b must both be {qid: value} dicts or both be aligned arrays")
+    if isinstance(a, Mapping):
+        keys_a, keys_b = set(map(str, a)), set(map(str, b))
+        a = {str(q): v for q, v in a.items()}
+        b = {str(q): v for q, v in b.items()}
+        if keys_a != keys_b and on == "same":
+            only_a, only_b = sorted(keys_a - keys_b), sorted(keys_b - keys_a)
+            raise ValueError(f"the two runs cover different queries ({len(only_a)} only in a, e.g. {only_a[:3]}; "
+                             f"{len(only_b)} only in b, e.g. {only_b[:3]}); pass on='intersection' to compare "
+                             "on the shared ones")
+        shared = sorted(keys_a & keys_b)
+        if not shared:
+            raise ValueError("the two runs share no query")
+        return (_as_values({q: a[q] for q in shared}, "a"), _as_values({q: b[q] for q in shared}, "b"))
+    va, vb = _as_values(a, "a"), _as_values(b, "b")
+    if va.shape != vb.shape:
+        raise ValueError(f"a and b have different lengths ({va.size} vs {vb.size})")
+    return va, vb
+
+
+def _bootstrap_indices(rng: np.random.Generator, n: int, n_samples: int, sample_size: int):
+    """Yield (start, stop, idx) with idx (stop - start, sample_size) drawn uniformly from range(n)."""
+    rows = max(1, _CHUNK_ENTRIES // sample_size)
+    for start in range(0, n_samples, rows):
+        stop = min(n_samples, start + rows)
+        yield start, stop, rng.integers(0, n, size=(stop - start, sample_size))
+
+
+def _bootstrap_means(values: np.ndarray, n_samples: int, sample_size: int, rng: np.random.Generator) -> np.ndarray:
+    means = np.empty(n_samples)  # (m,)
+    for start, stop, idx in _bootstrap_indices(rng, values.size, n_samples, sample_size):
+        means[start:stop] = values[idx].mean(axis=1)
+    return means
+
+
+def _percentile_interval(samples: np.ndarray, confidence: float) -> tuple[float, float]:
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+    tail = 100.0 * (1.0 - confidence) / 2.0
+    low, high = np.percentile(samples, [tail, 100.0 - tail])
+    return float(low), float(high)
+
+
+def _check_counts(n_samples: int, sample_size: int | None, n: int) -> int:
+    if n_samples < 1:
+        raise ValueError(f"n_samples must be >= 1, got {n_samples}")
+    sample_size = n if sample_size is None else int(sample_size)
+    if sample_size < 1:
+        raise ValueError(f"sample_size must be >= 1, got {sample_size}")
+    return sample_size
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 004 Section 2.1: bootstrapped mean and percentile confidence interval
+
+
+@dataclass(frozen=True)
+class BootstrapResult:
+    """``mean`` is 004's bootstrapped mean ``a = (1/m) sum_j a_j``; ``observed`` the plain mean over queries."""
+
+    mean: float
+    low: float
+    high: float
+    std: float  # standard deviation of the m bootstrap means (ddof=1): the bootstrap standard error
+    n_samples: int  # m
+    sample_size: int  # l
+    observed: float
+    confidence: float
+
+
+def bootstrap_ci(per_query: PerQuery, n_samples: int = 1000, sample_size: int | None = None,
+                 confidence: float = 0.95, seed: int = 0) -> BootstrapResult:
+    """Percentile bootstrap of a mean per-query metric (004 Section 2.1).
+
+    Draw ``m = n_samples`` bootstrap samples ``Q_j`` of ``l = sample_size`` queries with replacement (default
+    ``l`` = the number of queries, the classical bootstrap; 004 uses l=100, m=500 on ~1000 test questions),
+    compute each sample's mean ``a_j``, and report ``a = (1/m) sum_j a_j`` with the CI given by the
+    ``(1-c)/2`` and ``(1+c)/2`` percentiles of the ``a_j`` (2.5th and 97.5th for c=0.95). With ``l`` smaller
+    than the number of queries the interval describes a mean over ``l`` queries, so it is wider.
+    """
+    values = _as_values(per_query)
+    sample_size = _check_counts(n_samples, sample_size, values.size)
+    means = _bootstrap_means(values, n_samples, sample_size, np.random.default_rng(seed))
+    low, high = _percentile_interval(means, confidence)
+    std = float(means.std(ddof=1)) if n_samples > 1 else 0.0
+    return BootstrapResult(mean=float(means.mean()), low=low, high=high, std=std, n_samples=n_samples,
+                           sample_size=sample_size, observed=float(values.mean()), confidence=confidence)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# paired significance tests (001 Table 2 dagger)
+
+
+@dataclass(frozen=True)
+class PairedTestResult:
+    """``statistic``: t for the t-test, the observed mean difference for the permutation/bootstrap tests."""
+
+    statistic: float
+    p_value: float
+    mean_diff: float  # mean over queries of a - b
+    n: int
+    method: str
+    ci: tuple[float, float] | None = None  # bootstrap percentile CI of the mean difference (bootstrap test only)
+
+
+def paired_t_test(a: PerQuery, b: PerQuery, on: Align = "same") -> PairedTestResult:
+    """Two-sided paired t-test (``scipy.stats.ttest_rel``) of per-query metrics ``a`` vs ``b``.
+
+    When every difference is exactly 0, scipy returns NaN (0/0); we return statistic 0 and p = 1 instead — the
+    runs are indistinguishable. When the differences are a nonzero constant, scipy's t is infinite and p = 0;
+    that is passed through.
+    """
+    va, vb = _align(a, b, on)
+    if va.size < 2:
+        raise ValueError("a paired t-test needs at least 2 queries")
+    diff = va - vb
+    if np.all(diff == 0):
+        return PairedTestResult(0.0, 1.0, 0.0, int(va.size), "paired_t")
+    result = scipy_stats.ttest_rel(va, vb)
+    return PairedTestResult(float(result.statistic), float(result.pvalue), float(diff.mean()), int(va.size),
+                            "paired_t")
+
+
+def _sign_patterns(n: int) -> np.ndarray:
+    """All 2^n sign vectors, (2^n, n) of +-1."""
+    bits = (np.arange(2 ** n)[:, None] >> np.arange(n)[None, :]) & 1
+    return 1.0 - 2.0 * bits
+
+
+def paired_permutation_test(a: PerQuery, b: PerQuery, n_permutations: int = 10000, seed: int = 0,
+                            exact: bool | None = None, on: Align = "same") -> PairedTestResult:
+    """Two-sided paired randomization test: flip the sign of each query's difference ``a - b`` at random.
+
+    Under H0 (a and b exchangeable per query) each sign is +-1 with probability 1/2. The statistic is the
+    mean difference; p is the share of sign patterns whose |mean| is at least the observed |mean| (with a
+    1e-12 relative tolerance, so patterns equal up to rounding count as ties).
+    ``exact=None`` enumerates all ``2^n`` patterns when ``n <= 16`` (p = count / 2^n, the identity included);
+    otherwise ``n_permutations`` random patterns give ``p = (1 + count) / (1 + n_permutations)`` (the +1
+    counts the observed pattern, so p is never 0).
+    """
+    va, vb = _align(a, b, on)
+    diff = va - vb  # (n,)
+    n = diff.size
+    observed = float(diff.sum())
+    tol = 1e-12 * max(1.0, float(np.abs(diff).sum()))
+    if exact is None:
+        exact = n <= EXACT_PERMUTATION_MAX_N
+    if exact:
+        if n > 24:
+            raise ValueError(f"exact enumeration of 2^{n} sign patterns is too large; use exact=False")
+        sums = _sign_patterns(n) @ diff  # (2^n,)
+        count = int(np.sum(np.abs(sums) >= abs(observed) - tol))
+        p_value = count / float(2 ** n)
+        method = "paired_permutation_exact"
+    else:
+        if n_permutations < 1:
+            raise ValueError(f"n_permutations must be >= 1, got {n_permutations}")
+        rng = np.random.default_rng(seed)
+        count = 0
+        rows = max(1, _CHUNK_ENTRIES // n)
+        for start in range(0, n_permutations, rows):
+            signs = 1.0 - 2.0 * rng.integers(0, 2, size=(min(rows, n_permutations - start), n))  # (chunk, n)
+            count += int(np.sum(np.abs(signs @ diff) >= abs(observed) - tol))
+        p_value = (1 + count) / (1 + n_permutations)
+        method = "paired_permutation"
+    return PairedTestResult(observed / n, min(1.0, p_value), observed / n, n, method)
+
+
+def paired_bootstrap_test(a: PerQuery, b: PerQuery, n_samples: int = 10000, seed: int = 0,
+                          confidence: float = 0.95, on: Align = "same") -> PairedTestResult:
+    """Two-sided paired bootstrap test of the mean difference (Efron & Tibshirani 1993, 16.4; Sakai 2006).
+
+    Resample the per-query differences ``d`` with replacement ``n_samples`` times; the null distribution is
+    the bootstrap means shifted to mean 0 (``mean(d*) - mean(d)``), and
+    ``p = (1 + #{|mean(d*) - mean(d)| >= |mean(d)|}) / (1 + n_samples)``. Also returns the percentile CI of
+    the mean difference. Identical runs give p = 1.
+    """
+    va, vb = _align(a, b, on)
+    diff = va - vb
+    n = diff.size
+    if n_samples < 1:
+        raise ValueError(f"n_samples must be >= 1, got {n_samples}")
+    means = _bootstrap_means(diff, n_samples, n, np.random.default_rng(seed))  # (B,)
+    observed = float(diff.mean())
+    tol = 1e-12 * max(1.0, float(np.abs(diff).max()))
+    count = int(np.sum(np.abs(means - observed) >= abs(observed) - tol))
+    p_value = min(1.0, (1 + count) / (1 + n_samples))
+    return PairedTestResult(observed, p_value, observed, n, "paired_bootstrap",
+                            ci=_percentile_interval(means, confidence))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 004 Section 2.2: distribution overlap (Eqs. 1-2, COE / ROE)
+
+ScoreSets = Union[Mapping[str, Union[float, Sequence[float]]], Sequence[float], np.ndarray]
+
+
+def _flatten_scores(scores: ScoreSets, what: str) -> np.ndarray:
+    if isinstance(scores, Mapping):
+        parts = [np.atleast_1d(np.asarray(scores[q], dtype=float)).ravel() for q in sorted(scores)]
+        flat = np.concatenate(parts) if parts else np.empty(0)
+    else:
+        flat = np.asarray(scores, dtype=float).ravel()
+    if flat.size == 0:
+        raise ValueError(f"{what}: no scores")
+    if np.any(np.isnan(flat)):
+        raise ValueError(f"{what}: contains NaN")
+    return flat
+
+
+@dataclass(frozen=True)
+class ThresholdRow:
+    threshold: float
+    frac_relevant_above: float  # P(sim_corr > threshold), 004 Eq. 1
+    frac_nonrelevant_above: float  # P(sim_rand > threshold), 004 Eq. 2
+    n_relevant_above: int
+    n_nonrelevant_above: int
+
+
+def threshold_analysis(scores_relevant: ScoreSets, scores_nonrelevant: ScoreSets,
+                       thresholds: Sequence[float] | None = None) -> list[ThresholdRow]:
+    """For each threshold, the share of correct and of incorrect (query, document) pairs scoring above it.
+
+    These are 004's Eqs. 1-2 evaluated at given thresholds: ``C_corr(theta) = P(sim_corr > theta)`` and
+    ``C_rand(theta) = P(sim_rand > theta)`` (strictly greater, as in the paper). A useful threshold keeps
+    most correct pairs and drops most incorrect ones. Inputs are flat score arrays or ``{qid: score(s)}``.
+    ``thresholds=None`` uses the 0th, 5th, ..., 100th percentiles of all scores pooled (our choice; the paper
+    derives thresholds from bootstrapped top-K minima, see ``bootstrap_thresholds``). Rows in ascending order.
+    """
+    relevant = _flatten_scores(scores_relevant, "scores_relevant")
+    nonrelevant = _flatten_scores(scores_nonrelevant, "scores_nonrelevant")
+    if thresholds is None:
+        thresholds = np.unique(np.percentile(np.concatenate([relevant, nonrelevant]), np.arange(0, 101, 5)))
+    rows = []
+    for theta in sorted(float(t) for t in thresholds):
+        n_rel = int(np.sum(relevant > theta))
+        n_non = int(np.sum(nonrelevant > theta))
+        rows.append(ThresholdRow(theta, n_rel / relevant.size, n_non / nonrelevant.size, n_rel, n_non))
+    return rows
+
+
+def _ragged(scores: Mapping[str, float | Sequence[float]], qids: list[str], what: str) -> np.ndarray:
+    """Per-query score lists as a (n_queries, max_len) array padded with NaN."""
+    rows = [np.atleast_1d(np.asarray(scores[q], dtype=float)).ravel() for q in qids]
+    for q, row in zip(qids, rows):
+        if row.size == 0:
+            raise ValueError(f"{what}: query {q!r} has no score")
+        if np.any(np.isnan(row)):
+            raise ValueError(f"{what}: query {q!r} has a NaN score")
+    out = np.full((len(rows), max(r.size for r in rows)), np.nan)
+    for i, row in enumerate(rows):
+        out[i, :row.size] = row
+    return out
+
+
+@dataclass(frozen=True)
+class OverlapResult:
+    """COE / ROE as fractions in [0, 1] (004 reports percent), with percentile CIs over the m samples."""
+
+    coe: float
+    coe_low: float
+    coe_high: float
+    roe: float
+    roe_low: float
+    roe_high: float
+    theta: float  # mean over samples of theta_j
+    psi: float  # percentile (0-100) of the pooled top-K similarities that defines theta_j
+    n_samples: int
+    sample_size: int
+
+
+def overlap_coe_roe(correct: Mapping[str, float | Sequence[float]], topk: Mapping[str, Sequence[float]],
+                    random: Mapping[str, float | Sequence[float]], *, psi: float, n_samples: int = 500,
+                    sample_size: int | None = None, confidence: float = 0.95, seed: int = 0,
+                    on: Align = "same") -> OverlapResult:
+    """Correct-overlap and random-overlap ECDF estimates, COE and ROE (004 Section 2.2, Eqs. 1-2).
+
+    Per query q: ``correct[q]`` = similarity of q with its correct document(s) (S_corr), ``topk[q]`` = the
+    similarities of its top-K retrieved documents (S_topK), ``random[q]`` = similarity with a randomly chosen
+    document (S_rand). For each bootstrap sample ``Q_j`` (``l`` queries with replacement):
+    ``theta_j`` = the psi-th percentile of the pooled top-K similarities of ``Q_j``;
+    ``C_corr(theta_j) = P(sim_corr > theta_j)`` and ``C_rand(theta_j) = P(sim_rand > theta_j)`` over the
+    sample's correct / random similarities. COE and ROE are the means over the m samples, CIs the
+    ``(1-c)/2``, ``(1+c)/2`` percentiles.
+
+    Choices where 004 is silent: the three sets are all restricted to the bootstrap sample (otherwise theta_j
+    or the ECDFs would not vary with j and the paper's CIs would be degenerate); a query with several correct
+    documents (BEIR) contributes all of their similarities; ``psi`` has no default because the paper does not
+    state the value it used.
+    """
+    if not 0.0 <= psi <= 100.0:
+        raise ValueError(f"psi is a percentile in [0, 100], got {psi}")
+    key_sets = [set(map(str, d)) for d in (correct, topk, random)]
+    if on == "same" and not key_sets[0] == key_sets[1] == key_sets[2]:
+        raise ValueError("correct, topk and random cover different queries; pass on='intersection'")
+    qids = sorted(key_sets[0] & key_sets[1] & key_sets[2])
+    if not qids:
+        raise ValueError("no query has correct, top-K and random similarities")
+    as_str = lambda d: {str(q): v for q, v in d.items()}  # noqa: E731
+    corr = _ragged(as_str(correct), qids, "correct")  # (n, Rc)
+    top = _ragged(as_str(topk), qids, "topk")  # (n, K)
+    rand = _ragged(as_str(random), qids, "random")  # (n, Rr)
+    sample_size = _check_counts(n_samples, sample_size, len(qids))
+
+    rng = np.random.default_rng(seed)
+    coe, roe, thetas = np.empty(n_samples), np.empty(n_samples), np.empty(n_samples)
+    for j in range(n_samples):
+        idx = rng.integers(0, len(qids), size=sample_size)  # Q_j
+        pooled_top = top[idx].ravel()
+        theta = np.percentile(pooled_top[~np.isnan(pooled_top)], psi)
+        sample_corr, sample_rand = corr[idx].ravel(), rand[idx].ravel()
+        sample_corr, sample_rand = sample_corr[~np.isnan(sample_corr)], sample_rand[~np.isnan(sample_rand)]
+        thetas[j] = theta
+        coe[j] = np.mean(sample_corr > theta)
+        roe[j] = np.mean(sample_rand > theta)
+    coe_low, coe_high = _percentile_interval(coe, confidence)
+    roe_low, roe_high = _percentile_interval(roe, confidence)
+    return OverlapResult(float(coe.mean()), coe_low, coe_high, float(roe.mean()), roe_low, roe_high,
+                         float(thetas.mean()), float(psi), n_samples, sample_size)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 004 Section 2.3: bootstrapped similarity thresholds
+
+
+@dataclass(frozen=True)
+class ThresholdAccuracyRow:
+    psi: float  # percentile (0-100) of Gamma
+    tau: float  # tau(psi)
+    accuracy: float  # mean bootstrapped top-K accuracy with scores below tau removed
+    low: float
+    high: float
+    kept_fraction: float  # mean share of the top-K results scoring >= tau
+
+
+def bootstrap_thresholds(run: Mapping[str, Mapping[str, float]], qrels: Mapping[str, Mapping[str, int]], *,
+                         k: int = 5, psis: Sequence[float] = tuple(range(0, 55, 5)), n_samples: int = 500,
+                         sample_size: int | None = None, confidence: float = 0.95, seed: int = 0,
+                         drop_self_matches: bool = True) -> list[ThresholdAccuracyRow]:
+    """004 Section 2.3: thresholds tau(psi) from bootstrapped minima of top-K similarities, and their effect.
+
+    For each bootstrap sample ``Q_j``, ``gamma_j`` = the smallest top-K similarity over all of its queries;
+    ``Gamma = {gamma_j}``; ``tau(psi)`` = the psi-th percentile of Gamma. With similarities below tau removed
+    (the paper "sets them to zero"; we read that as dropping them from the results), a query counts as
+    answered when a relevant document (rel > 0) is in its top K *and* scores >= tau. Accuracy per sample is
+    the share of answered queries; rows give its mean and percentile CI over the same m samples for every
+    psi, plus the share of top-K results kept. psi = 0 keeps every result (tau = min Gamma), so its row is
+    the unthresholded top-K accuracy. Which row to report is the caller's trade-off (the paper reports the
+    best accuracy with its tau and psi).
+
+    Evaluated queries: those in ``qrels`` with at least one relevant document; one absent from the run is
+    never answered and does not enter Gamma.
+    """
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    qids = sorted(str(q) for q, docs in qrels.items() if any(int(r) > 0 for r in docs.values()))
+    if not qids:
+        raise ValueError("qrels has no query with a relevant document")
+    run = {str(q): docs for q, docs in run.items()}
+    top_scores = np.full((len(qids), k), -np.inf)  # (n, K)
+    retrieved = np.zeros((len(qids), k), dtype=bool)  # (n, K) False where a query has fewer than K results
+    best_relevant = np.full(len(qids), -np.inf)  # (n,) best score of a relevant doc inside the top K
+    has_relevant = np.zeros(len(qids), dtype=bool)  # (n,)
+    for i, qid in enumerate(qids):
+        docs = {str(d): s for d, s in run.get(qid, {}).items() if not (drop_self_matches and str(d) == qid)}
+        relevant = {str(d) for d, r in qrels[qid].items() if int(r) > 0}
+        for rank, (docid, score) in enumerate(ranked(docs, k)):
+            top_scores[i, rank] = score
+            retrieved[i, rank] = True
+            if docid in relevant:
+                has_relevant[i] = True
+                best_relevant[i] = max(best_relevant[i], score)
+    query_min = np.where(retrieved, top_scores, np.inf).min(axis=1)  # (n,) inf for queries with no result
+    sample_size = _check_counts(n_samples, sample_size, len(qids))
+
+    idx = np.random.default_rng(seed).integers(0, len(qids), size=(n_samples, sample_size))  # (m, l)
+    gamma = query_min[idx].min(axis=1)  # (m,)
+    gamma = gamma[np.isfinite(gamma)]
+    if gamma.size == 0:
+        raise ValueError("the run retrieves nothing for the evaluated queries")
+    rows = []
+    for psi in psis:
+        if not 0.0 <= psi <= 100.0:
+            raise ValueError(f"psi is a percentile in [0, 100], got {psi}")
+        tau = float(np.percentile(gamma, psi))
+        answered = has_relevant & (best_relevant >= tau)  # (n,)
+        kept = (retrieved & (top_scores >= tau)).sum(axis=1) / k  # (n,)
+        accuracy = answered[idx].mean(axis=1)  # (m,)
+        low, high = _percentile_interval(accuracy, confidence)
+        rows.append(ThresholdAccuracyRow(float(psi), tau, float(accuracy.mean()), low, high,
+                                         float(kept[idx].mean())))
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 001 Table 4: BM25-Easy
+
+
+def bm25_easy_split(bm25_per_query_ndcg: Mapping[str, float]) -> set[str]:
+    """The "BM25-Easy" queries of 001 Table 4: the top 50% of queries by BM25's per-query nDCG@10.
+
+    Queries are sorted by ``(-score, qid)`` and the first ``ceil(n / 2)`` are taken: with an odd count the
+    middle query is included, and ties at the boundary (common: many queries score exactly 0 or 1) are
+    broken by query id (string order), so the split is deterministic and exactly half.
+    """
+    if not bm25_per_query_ndcg:
+        raise ValueError("bm25_per_query_ndcg is empty")
+    items = [(str(q), float(v)) for q, v in bm25_per_query_ndcg.items()]
+    bad = [q for q, v in items if math.isnan(v)]
+    if bad:
+        raise ValueError(f"BM25 nDCG@10 is NaN for {len(bad)} queries, e.g. {bad[:3]}")
+    items.sort(key=lambda qv: (-qv[1], qv[0]))
+    return {q for q, _ in items[: math.ceil(len(items) / 2)]}

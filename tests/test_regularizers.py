@@ -1,0 +1,236 @@
+"""Isotropy regularizers: values against slow references, lambda handling, I-STAR buffers, and training direction."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hil.isotropy.metrics import avg_cos, inter_iso, isoscore, isoscore_star, masked_tokens
+from hil.isotropy.regularizers import Regularizer, cosreg, interiso_reg, istar_reg, regularization_loss
+
+torch.set_num_threads(1)
+
+
+def cosreg_loop(x: torch.Tensor) -> float:
+    """1 / M^2 * sum_{i != j} cos(x_i, x_j), written the obvious way."""
+    m = len(x)
+    unit = [x[i] / x[i].norm() for i in range(m)]
+    return sum(float(unit[i] @ unit[j]) for i in range(m) for j in range(m) if i != j) / m ** 2
+
+
+def batch(seed: int = 0, bq: int = 3, lq: int = 4, ld: int = 5, d: int = 6):
+    """Queries once, docs = [positives; negatives], with padding filled by garbage values."""
+    g = torch.Generator().manual_seed(seed)
+    queries = F.normalize(torch.randn(bq, lq, d, generator=g, dtype=torch.float64), dim=-1)
+    docs = F.normalize(torch.randn(2 * bq, ld, d, generator=g, dtype=torch.float64), dim=-1)
+    query_mask = torch.rand(bq, lq, generator=g) > 0.3
+    doc_mask = torch.rand(2 * bq, ld, generator=g) > 0.3
+    query_mask[:, :2] = True
+    doc_mask[:, :2] = True
+    queries[~query_mask] = 9.0
+    docs[~doc_mask] = -9.0
+    return queries, docs, query_mask, doc_mask
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The terms
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_interiso_reg_sign_of_lambda_picks_raw_or_absolute_value():
+    values = torch.tensor([0.5, -0.3, 0.1])
+    assert interiso_reg(values, -0.1).item() == pytest.approx(0.1, abs=1e-7)          # mean InterIso
+    assert interiso_reg(values, 0.4).item() == pytest.approx(0.9 / 3, abs=1e-7)       # mean |InterIso| per pair
+    with pytest.raises(ValueError, match=r"\(B,\)"):
+        interiso_reg(values[None], 0.4)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 12), st.integers(1, 5), st.integers(0, 2 ** 16))
+def test_cosreg_equals_pair_loop(m, d, seed):
+    x = torch.randn(m, d, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) + 0.5
+    expected = cosreg_loop(x) if m >= 2 else 0.0
+    assert cosreg(x).item() == pytest.approx(expected, abs=1e-10)
+
+
+def test_istar_reg_is_one_minus_isoscore_star():
+    x = torch.randn(20, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    c = torch.eye(4, dtype=torch.float64)
+    assert istar_reg(x, c, 0.2).item() == pytest.approx(1 - isoscore_star(x, c, 0.2).item(), abs=1e-12)
+    assert istar_reg(x[:1], c).item() == 0.0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# regularization_loss: lambda, pairing, queries and documents apart, padding excluded
+# ---------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("lam", [0.4, -0.1])
+def test_interiso_loss_over_query_doc_pairs(lam):
+    queries, docs, query_mask, doc_mask = batch()
+    pair_index = torch.arange(3).repeat(2)
+    loss, logs = regularization_loss("interiso", lam, queries, docs, query_mask, doc_mask, pair_index)
+    per_pair = []
+    for k in range(6):
+        q = queries[pair_index[k]][query_mask[pair_index[k]]]
+        d = docs[k][doc_mask[k]]
+        per_pair.append(float((q @ d.T).mean()))
+    expected_reg = sum(per_pair) / 6 if lam < 0 else sum(abs(v) for v in per_pair) / 6
+    assert loss.item() == pytest.approx(lam * expected_reg, abs=1e-10)
+    assert logs["reg"].item() == pytest.approx(expected_reg, abs=1e-10)
+    assert logs["inter_iso"].item() == pytest.approx(sum(per_pair) / 6, abs=1e-10)
+    # The same as passing the queries repeated row by row.
+    repeated, _ = regularization_loss("interiso", lam, queries[pair_index], docs, query_mask[pair_index], doc_mask)
+    assert repeated.item() == pytest.approx(loss.item(), abs=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["cosreg", "istar"])
+def test_cosreg_and_istar_are_half_lambda_times_query_plus_doc_terms(kind):
+    queries, docs, query_mask, doc_mask = batch(seed=3)
+    query_points = torch.cat([queries[b][query_mask[b]] for b in range(3)])   # valid tokens only
+    doc_points = torch.cat([docs[b][doc_mask[b]] for b in range(6)])
+    if kind == "cosreg":
+        reg_q, reg_d = cosreg_loop(query_points), cosreg_loop(doc_points)
+    else:
+        reg_q = 1 - isoscore_star(query_points).item()
+        reg_d = 1 - isoscore_star(doc_points).item()
+    lam = -0.6
+    loss, logs = regularization_loss(kind, lam, queries, docs, query_mask, doc_mask, torch.arange(3).repeat(2))
+    assert loss.item() == pytest.approx(lam / 2 * (reg_q + reg_d), abs=1e-9)
+    assert logs["reg_query"].item() == pytest.approx(reg_q, abs=1e-9)
+    assert logs["reg_doc"].item() == pytest.approx(reg_d, abs=1e-9)
+    assert logs["reg"].item() == pytest.approx((reg_q + reg_d) / 2, abs=1e-9)
+
+
+def test_none_gives_zero_and_still_logs_inter_iso():
+    queries, docs, query_mask, doc_mask = batch()
+    loss, logs = Regularizer("none")(queries, docs, query_mask, doc_mask, torch.arange(3).repeat(2))
+    assert loss.item() == 0.0 and set(logs) == {"inter_iso"}
+
+
+def test_bad_arguments_are_named():
+    queries, docs, query_mask, doc_mask = batch()
+    with pytest.raises(ValueError, match="unknown regularizer kind"):
+        regularization_loss("whitening", 0.1, queries, docs)
+    with pytest.raises(ValueError, match="pair_index"):
+        regularization_loss("interiso", 0.1, queries, docs, query_mask, doc_mask)
+    with pytest.raises(ValueError, match="kind"):
+        Regularizer("iso")
+    with pytest.raises(ValueError, match="needs dim"):
+        Regularizer("istar", 0.2, shrinkage_target="running")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# I-STAR shrinkage covariance
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_istar_identity_target_shrinks_toward_identity():
+    queries, docs, query_mask, doc_mask = batch(seed=4)
+    module = Regularizer("istar", 0.2, zeta=0.3)
+    loss, logs = module(queries, docs, query_mask, doc_mask, torch.arange(3).repeat(2))
+    eye = torch.eye(6, dtype=torch.float64)
+    reg_q = istar_reg(masked_tokens(queries, query_mask), eye, 0.3).item()
+    assert logs["reg_query"].item() == pytest.approx(reg_q, abs=1e-6)
+    assert len(list(module.buffers())) == 0
+
+
+def test_istar_running_covariance_is_an_ema_of_batch_covariances_and_is_checkpointed():
+    momentum, zeta = 0.25, 0.2
+    module = Regularizer("istar", 0.2, zeta=zeta, shrinkage_target="running", momentum=momentum, dim=6)
+    first, second = batch(seed=5), batch(seed=6)
+    pairs = torch.arange(3).repeat(2)
+
+    def doc_cov(b):
+        return torch.cov(masked_tokens(b[1], b[3]).T).float()
+
+    # Step 1: no history yet -> batch covariance alone; the buffer becomes that covariance.
+    _, logs1 = module(*first, pairs)
+    assert logs1["reg_doc"].item() == pytest.approx(istar_reg(masked_tokens(first[1], first[3]), None).item(),
+                                                    abs=1e-5)
+    assert torch.allclose(module.doc_shrinkage_cov, doc_cov(first), atol=1e-6)
+    # Step 2: shrinks toward step 1's covariance, then averages.
+    _, logs2 = module(*second, pairs)
+    expected = istar_reg(masked_tokens(second[1], second[3]), doc_cov(first).double(), zeta).item()
+    assert logs2["reg_doc"].item() == pytest.approx(expected, abs=1e-5)
+    ema = (1 - momentum) * doc_cov(first) + momentum * doc_cov(second)
+    assert torch.allclose(module.doc_shrinkage_cov, ema, atol=1e-6)
+    assert int(module.query_shrinkage_updates) == 2
+    # Evaluation does not move the average.
+    module.eval()
+    module(*first, pairs)
+    assert torch.allclose(module.doc_shrinkage_cov, ema, atol=1e-6)
+    # The average travels in the state dict.
+    restored = Regularizer("istar", 0.2, zeta=zeta, shrinkage_target="running", momentum=momentum, dim=6)
+    restored.load_state_dict(module.state_dict())
+    assert torch.equal(restored.doc_shrinkage_cov, module.doc_shrinkage_cov)
+    assert torch.equal(restored.query_shrinkage_cov, module.query_shrinkage_cov)
+    assert int(restored.doc_shrinkage_updates) == 2
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A few optimizer steps with the sign of lambda move the measured isotropy the intended way
+# ---------------------------------------------------------------------------------------------------------------
+
+def _train_only_regularizer(regularizer: Regularizer, steps: int = 30):
+    """A learnable linear map 16 -> 8 plus L2 normalization on fixed inputs, trained on the regularizer alone.
+
+    Returns the measured (|InterIso|, Avg-Cos, IsoScore) before and after, each over the valid tokens.
+    """
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    shared = torch.randn(16, generator=g)  # a common component so that the start is neither isotropic nor collapsed
+    queries_in = torch.randn(8, 5, 16, generator=g) + shared
+    docs_in = torch.randn(16, 9, 16, generator=g) + shared
+    query_mask = torch.rand(8, 5, generator=g) > 0.2
+    doc_mask = torch.rand(16, 9, generator=g) > 0.3
+    query_mask[:, 0] = True
+    doc_mask[:, 0] = True
+    pair_index = torch.arange(8).repeat(2)
+    projection = torch.nn.Linear(16, 8, bias=False)
+    optimizer = torch.optim.Adam(projection.parameters(), lr=0.05)
+
+    def encode():
+        return F.normalize(projection(queries_in), dim=-1), F.normalize(projection(docs_in), dim=-1)
+
+    def measure():
+        with torch.no_grad():
+            q, d = encode()
+            q_points, d_points = masked_tokens(q, query_mask), masked_tokens(d, doc_mask)
+            return {
+                "inter_iso": inter_iso(q[pair_index], d, query_mask[pair_index], doc_mask).abs().mean().item(),
+                "avg_cos": avg_cos(torch.cat([q_points, d_points])).item(),
+                "isoscore": (isoscore(q_points).item() + isoscore(d_points).item()) / 2,
+            }
+
+    before = measure()
+    for _ in range(steps):
+        q, d = encode()
+        loss, _ = regularizer(q, d, query_mask, doc_mask, pair_index)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return before, measure()
+
+
+@pytest.mark.parametrize("kind,metric,isotropic_is_lower", [
+    ("interiso", "inter_iso", True),   # InterIso -> 0 isotropic, -> 1 anisotropic
+    ("cosreg", "avg_cos", True),
+    ("istar", "isoscore", False),      # IsoScore -> 1 isotropic, -> 0 anisotropic
+])
+@pytest.mark.parametrize("lam", [0.5, -0.5])
+def test_sign_of_lambda_moves_isotropy_the_intended_way(kind, metric, isotropic_is_lower, lam):
+    before, after = _train_only_regularizer(Regularizer(kind, lam))
+    change = after[metric] - before[metric]
+    towards_isotropy = -change if isotropic_is_lower else change
+    if lam > 0:
+        assert towards_isotropy > 0.1, (before, after)
+    else:
+        assert towards_isotropy < -0.1, (before, after)
+
+
+@pytest.mark.parametrize("lam", [0.5, -0.5])
+def test_istar_with_running_shrinkage_moves_isoscore_the_intended_way(lam):
+    before, after = _train_only_regularizer(Regularizer("istar", lam, shrinkage_target="running", dim=8))
+    change = after["isoscore"] - before["isoscore"]
+    assert (change > 0.1) if lam > 0 else (change < -0.1), (before, after)
