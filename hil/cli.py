@@ -8,6 +8,7 @@ import sys
 # Thread settings must be fixed before torch spins up its pools.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from jsonargparse import Namespace  # noqa: E402
 from pytorch_lightning.cli import LightningCLI  # noqa: E402
 
 from hil.data.datamodule import TriplesDataModule  # noqa: E402
@@ -18,6 +19,18 @@ class HILCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:  # noqa: ANN001
         parser.add_argument("--export_dir", type=str, default=None,
                             help="after fit, export the model here (from_pretrained-loadable)")
+
+    def before_instantiate_classes(self) -> None:
+        # Unless the config names its own loggers, log to TensorBoard and CSV under default_root_dir.
+        config = self.config.get(self.subcommand) if self.subcommand else self.config
+        trainer = config["trainer"]
+        if trainer.get("logger") in (None, True):
+            root = trainer.get("default_root_dir") or "."
+            trainer["logger"] = [
+                Namespace(class_path="pytorch_lightning.loggers.TensorBoardLogger",
+                          init_args=Namespace(save_dir=root, name="tb")),
+                Namespace(class_path="pytorch_lightning.loggers.CSVLogger",
+                          init_args=Namespace(save_dir=root, name="csv"))]
 
     def after_fit(self) -> None:
         export_dir = self.config.get(self.subcommand, {}).get("export_dir")

@@ -86,7 +86,7 @@ def iter_text_lines(path: str | os.PathLike) -> Iterator[tuple[int, str]]:
 
 
 def _check_no_surrogates(path: Path, line: int | None, name: str, value: str) -> None:
-    # Only "\ud800"-style JSON escapes can produce these; the search is skipped for the common case.
+    # Only "\ud800"-style JSON escapes can produce these (strict UTF-8 decoding rejects them in raw bytes).
     if _SURROGATE.search(value):
         raise DataFormatError(path, line, f"field {name!r} contains an unpaired UTF-16 surrogate")
 

@@ -39,14 +39,16 @@ import os
 import re
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Iterable
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from hil.modeling.encoder import EncodedBatch
 from hil.provenance import provenance
+
+if TYPE_CHECKING:  # the encoder module pulls in transformers; only transform_encoded needs it, at call time
+    from hil.modeling.encoder import EncodedBatch
 
 __all__ = [
     "PostTransform", "MomentAccumulator", "Whitening", "RemoveTopPCs", "Standardize", "NICEFlow",
@@ -646,6 +648,7 @@ class NICEFlow(nn.Module, PostTransform):
         return {k: v.detach().cpu() for k, v in self.state_dict().items()}
 
     def _load_state(self, state: dict[str, Any]) -> None:
+        self.to(dtype=state["log_scale"].dtype)  # a flow saved in float64 loads in float64
         self.load_state_dict(state)
         self.eval()
 
@@ -677,7 +680,12 @@ class TransformPipeline(PostTransform):
 
     @property
     def spec(self) -> str:
-        return ",".join(step.name for step in self.steps) or "none"
+        """A spec string that rebuilds these (unfitted) steps with :func:`parse_transform_spec` / make_transform."""
+        parts = []
+        for step in self.steps:
+            items = {k: v for k, v in step.settings().items() if not (step.name == "nice" and k == "dim")}
+            parts.append(":".join([step.name, *(f"{k}={v}" for k, v in items.items())]))
+        return ",".join(parts) or "none"
 
     def settings(self) -> dict[str, Any]:
         return {"spec": self.spec, "steps": [{"name": s.name, **s.settings()} for s in self.steps]}
@@ -928,12 +936,14 @@ def fit_whitening(token_embeddings: Tensor, mode: str = "token", mask: Tensor | 
     return whitening
 
 
-def transform_encoded(batch: EncodedBatch, transform: PostTransform,
-                      heads: Iterable[str] | None = None) -> EncodedBatch:
+def transform_encoded(batch: "EncodedBatch", transform: PostTransform,
+                      heads: Iterable[str] | None = None) -> "EncodedBatch":
     """Apply a fitted transform to the chosen heads (all by default) of an EncodedBatch, keeping the mask.
 
     Positions outside ``batch.mask`` stay zero, as the encoder leaves them.
     """
+    from hil.modeling.encoder import EncodedBatch
+
     chosen = set(batch.heads) if heads is None else set(heads)
     missing = chosen - set(batch.heads)
     if missing:

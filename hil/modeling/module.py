@@ -44,6 +44,10 @@ class RetrieverModule(pl.LightningModule):
         raise NotImplementedError
 
     # -- training ---------------------------------------------------------------------------------------------
+    def on_fit_start(self) -> None:
+        # transformers' from_pretrained leaves the backbone in eval mode (dropout off); ColBERT trains with dropout.
+        self.train()
+
     def training_step(self, batch: dict[str, list[str]], batch_idx: int) -> Tensor | None:
         loss, parts = self.compute_loss(batch)
         if not torch.isfinite(loss):

@@ -1,0 +1,43 @@
+# One command each: `make demo` (set up + train a small ColBERT on the MS MARCO sample + evaluate on SciFact),
+# `make test` (set up + the test suite), `make test-slow` (the slow checks), `make bench` (benchmarks).
+PYTHON ?= python3
+VENV ?= .venv
+SHARED ?= $(abspath ../shared)
+export HIL_DATA_DIR ?= $(SHARED)/data
+export HIL_MODELS_DIR ?= $(SHARED)/models
+export HIL_SHARED_DIR ?= $(SHARED)
+export TOKENIZERS_PARALLELISM ?= false
+BIN := $(VENV)/bin
+
+.PHONY: setup demo test test-slow test-all bench clean
+
+setup: $(VENV)/.installed
+
+# torch is pinned first: 2.13.0's CPU wheel is what this project is tested with, and installing it before the
+# package keeps pip from pulling a CUDA build to satisfy the torch range.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[test]"
+	touch $@
+
+demo: setup
+	$(BIN)/python train.py fit --config configs/colbert.yaml --config configs/presets/cpu.yaml \
+		--trainer.default_root_dir runs/demo --export_dir runs/demo/export
+	$(BIN)/python evaluate.py --model runs/demo/export --dataset scifact --output results/demo
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+test-slow: setup
+	$(BIN)/python -m pytest -q -m slow
+
+test-all: setup
+	$(BIN)/python -m pytest -q -m "slow or not slow"
+
+bench: setup
+	$(BIN)/python bench/run.py
+
+clean:
+	rm -rf runs results indexes .pytest_cache

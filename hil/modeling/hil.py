@@ -1,0 +1,318 @@
+"""ColBERT-HIL (HIL Section 3.3): an isotropic lexical head L and an anisotropic contextual head H in one model.
+
+One training step, end to end:
+    queries, positives, negatives (strings)
+    -> ColBERTTokenizer -> HILEncoder
+         L = normalize(Linear_L(Vocab(input_ids)))        (B, L, D)   word embeddings only, no context
+         H = normalize(Linear_H(BERT(input_ids)))         (B, L, D)   the ColBERT representation
+    -> S_L(q_i, d) = IDF(q_i) * max_j L_qi . L_dj ;  S_H(q_i, d) = max_j H_qi . H_dj       (q, d+) and (q, d-)
+    -> z-score each head with the batch mean / std of its S values; score_late = sum_i S'
+    -> L_HIL = CE_L + CE_H + lambda * (-|InterIso_L| + InterIso_H)                          (lambda = -0.3)
+At inference ``score = score_late_L + score_late_H`` with the running (EMA) z-score statistics.
+
+Choices where the paper is silent:
+- "Vocab embedding layer" is the backbone's word-embedding lookup (``get_input_embeddings()``), without position
+  or token-type embeddings and without the embedding LayerNorm. L is then a function of the token id alone, so a
+  query token matches the same token in a document with similarity exactly 1 wherever it stands: the lexical,
+  position-free match the head exists for (position embeddings would add a spurious same-position bonus). The
+  word embeddings are shared with the backbone, so L's loss and regularizer also shape BERT's lowest layer, as
+  the paper's layer-wise analysis (Fig. 5) implies. Both projections are bias-free like ColBERT's.
+- IDF: BM25 form, special tokens and markers weighted 0 (see ``hil.data.idf``). Query tokens with weight 0 are
+  left out of the lexical head altogether (its moments, its sum and InterIso_L); H uses every query token as
+  ColBERT does. The table is a buffer (``idf``), so it travels with checkpoints and exports; a fresh encoder has
+  uniform weights 1 until ``set_idf`` / ``set_idf_from_texts`` (``HILModule`` computes it at ``setup``).
+- z-score statistics: in training, one mean and one std per head over every (query token, document) score of the
+  batch's (q, d+) and (q, d-) pairs (the tokens that take part in that head), std = sqrt(var + eps), with
+  gradients flowing through them (as BatchNorm). They also update running estimates (``zscore.L`` / ``zscore.H``,
+  an exponential moving average with ``zscore_momentum``, the first batch copied as is). Every other use -- eval
+  mode, ``score``, ``score_pairs``, indexing and search -- uses the running estimates, so a document's score never
+  depends on the batch it is scored in. A fresh model's estimates are mean 0, std 1 (no normalization).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from hil.data.idf import IDFTable
+from hil.data.tokenization import DOC_MARKER, QUERY_MARKER, TokenizedBatch
+from hil.isotropy.metrics import inter_iso
+from hil.modeling.encoder import EncodedBatch, MultiVectorEncoder
+from hil.modeling.hil_scoring import (DEFAULT_EPS, batch_moments, hil_token_scores, lexical_query_mask,
+                                      zscored_late_interaction)
+from hil.modeling.module import RetrieverModule
+from hil.modeling.scoring import pairwise_ce_loss
+
+HEADS = ("L", "H")
+
+
+class RunningMoments(nn.Module):
+    """Running mean / std of one head's token scores, kept like BatchNorm's running statistics.
+
+    ``update`` blends a batch's moments in: ``running <- (1 - momentum) running + momentum batch`` (the std itself
+    is averaged, not the variance); the first update copies the batch values, so early estimates are not biased
+    toward the initial 0 / 1. Non-finite batch moments are ignored (a skipped NaN step cannot poison them).
+    """
+
+    def __init__(self, momentum: float = 0.1):
+        super().__init__()
+        if not 0.0 < momentum <= 1.0:
+            raise ValueError(f"zscore_momentum must lie in (0, 1], got {momentum}")
+        self.momentum = float(momentum)
+        self.register_buffer("mean", torch.zeros(()))
+        self.register_buffer("std", torch.ones(()))
+        self.register_buffer("updates", torch.zeros((), dtype=torch.long))
+
+    @torch.no_grad()
+    def update(self, batch_mean: Tensor, batch_std: Tensor) -> None:
+        if not (torch.isfinite(batch_mean) and torch.isfinite(batch_std)):
+            return
+        if int(self.updates) == 0:
+            self.mean.copy_(batch_mean)
+            self.std.copy_(batch_std)
+        else:
+            self.mean.lerp_(batch_mean.to(self.mean.dtype), self.momentum)
+            self.std.lerp_(batch_std.to(self.std.dtype), self.momentum)
+        self.updates.add_(1)
+
+    def extra_repr(self) -> str:
+        return f"momentum={self.momentum}"
+
+
+class HILEncoder(MultiVectorEncoder):
+    """ColBERT-HIL's encoder: heads ``L`` (lexical, isotropic) and ``H`` (contextual, anisotropic), see module doc.
+
+    Buffers (saved in checkpoints and exports): ``idf`` (V,) weights, ``idf_documents`` (0 = uniform weights, no
+    table set), ``zscore.L.*`` / ``zscore.H.*`` running mean / std / update count.
+    """
+
+    architecture = "hil"
+    head_names = HEADS
+
+    def __init__(self, backbone: str = "bert-base-uncased", dim: int = 128, query_maxlen: int = 32,
+                 doc_maxlen: int = 180, query_marker: str = QUERY_MARKER, doc_marker: str = DOC_MARKER,
+                 mask_punctuation: bool = True, zscore_momentum: float = 0.1, zscore_eps: float = DEFAULT_EPS,
+                 idf_source: str | None = None, _loaded: Any = None):
+        super().__init__(backbone, dim=dim, query_maxlen=query_maxlen, doc_maxlen=doc_maxlen,
+                         query_marker=query_marker, doc_marker=doc_marker, mask_punctuation=mask_punctuation,
+                         _loaded=_loaded)
+        if zscore_eps <= 0:
+            raise ValueError(f"zscore_eps must be > 0, got {zscore_eps}")
+        word_embeddings = self.backbone.get_input_embeddings()
+        self.vocab_size = int(word_embeddings.num_embeddings)
+        self.linear_L = nn.Linear(int(word_embeddings.embedding_dim), dim, bias=False)
+        self.linear_H = nn.Linear(self.hidden_size, dim, bias=False)
+        self.zscore_momentum = float(zscore_momentum)
+        self.zscore_eps = float(zscore_eps)
+        self.zscore = nn.ModuleDict({head: RunningMoments(zscore_momentum) for head in HEADS})
+        self.idf_source = idf_source
+        self.register_buffer("idf", torch.ones(self.vocab_size))
+        self.register_buffer("idf_documents", torch.zeros((), dtype=torch.long))
+
+    # -- IDF -------------------------------------------------------------------------------------------------------
+    @property
+    def has_idf(self) -> bool:
+        return int(self.idf_documents) > 0
+
+    def set_idf(self, table: IDFTable) -> None:
+        """Store ``table``'s weights in the ``idf`` buffer (padded to the embedding count with the unseen weight)."""
+        weights = table.to_tensor(self.vocab_size)
+        with torch.no_grad():
+            self.idf.copy_(weights.to(self.idf.device, self.idf.dtype))
+            self.idf_documents.fill_(table.n_documents)
+        self.idf_source = table.describe()
+
+    def set_idf_from_texts(self, texts: Any, source: str = "", batch_size: int = 1024) -> IDFTable:
+        """Compute IDF over ``texts`` (e.g. the target corpus at evaluation) with this model's tokenizer; store it."""
+        table = IDFTable.from_texts(self.tokenizer, texts, batch_size=batch_size, vocab_size=self.vocab_size,
+                                    source=source)
+        self.set_idf(table)
+        return table
+
+    def query_idf(self, queries: EncodedBatch) -> Tensor:
+        """IDF weight of every query token. -> (Bq, Lq)"""
+        return self.idf[queries.input_ids.to(self.idf.device)].to(queries.input_ids.device)
+
+    # -- encoding --------------------------------------------------------------------------------------------------
+    def embed(self, batch: TokenizedBatch, is_query: bool) -> dict[str, Tensor]:
+        vocab = self.backbone.get_input_embeddings()(batch.input_ids)  # (B, L, E) word embeddings, no context
+        hidden = self.backbone(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
+        return {"L": F.normalize(self.linear_L(vocab), p=2, dim=-1),     # (B, L, D)
+                "H": F.normalize(self.linear_H(hidden), p=2, dim=-1)}    # (B, L, D)
+
+    def extra_settings(self) -> dict[str, Any]:
+        return {"zscore_momentum": self.zscore_momentum, "zscore_eps": self.zscore_eps, "idf_source": self.idf_source}
+
+    # -- scoring ---------------------------------------------------------------------------------------------------
+    def token_scores(self, queries: EncodedBatch, docs: EncodedBatch, all_pairs: bool
+                     ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """Per-head token scores S (B, Lq) or (Bq, Bd, Lq) and the query tokens taking part in each head (Bq, Lq)."""
+        idf = self.query_idf(queries)                                  # (Bq, Lq)
+        s_L, s_H = hil_token_scores(queries.heads["L"], docs.heads["L"], queries.heads["H"], docs.heads["H"],
+                                    idf, docs.mask, all_pairs=all_pairs)
+        masks = {"L": lexical_query_mask(queries.mask, idf), "H": queries.mask.bool()}
+        return {"L": s_L, "H": s_H}, masks
+
+    def running_moments(self, head: str) -> tuple[Tensor, Tensor]:
+        stats = self.zscore[head]
+        return stats.mean, stats.std
+
+    def score_heads(self, queries: EncodedBatch, docs: EncodedBatch, all_pairs: bool = True) -> dict[str, Tensor]:
+        """``score_late`` of each head with the running z-score statistics. -> head -> (Bq, Bd) (or (B,) paired)."""
+        scores, masks = self.token_scores(queries, docs, all_pairs)
+        return {head: zscored_late_interaction(scores[head], masks[head], *self.running_moments(head),
+                                               eps=self.zscore_eps) for head in HEADS}
+
+    def score(self, queries: EncodedBatch, docs: EncodedBatch) -> Tensor:
+        """``score_late_L + score_late_H`` of every query against every document (the paper's "simply add"). -> (Bq, Bd)"""
+        heads = self.score_heads(queries, docs, all_pairs=True)
+        return heads["L"] + heads["H"]
+
+    def score_pairs(self, queries: EncodedBatch, docs: EncodedBatch) -> Tensor:
+        """``score_late_L + score_late_H`` of query i with document i. -> (B,)"""
+        heads = self.score_heads(queries, docs, all_pairs=False)
+        return heads["L"] + heads["H"]
+
+    def training_pair_scores(self, queries: EncodedBatch, docs: EncodedBatch, pair_index: Tensor
+                             ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """Per-head ``score_late`` of (query ``pair_index[k]``, document k) for the training loss. -> head -> (P,).
+
+        In training mode each head is z-scored with the moments of all its token scores in this call (all pairs
+        together: pass the (q, d+) and (q, d-) pairs at once) and the running estimates are updated; in eval mode
+        the running estimates are used. Also returns each head's query-token mask of the paired queries (P, Lq).
+        """
+        paired = queries.select(pair_index)
+        scores, masks = self.token_scores(paired, docs, all_pairs=False)   # head -> (P, Lq)
+        late = {}
+        for head in HEADS:
+            if self.training:
+                mean, std = batch_moments(scores[head], masks[head], eps=self.zscore_eps)
+                self.zscore[head].update(mean.detach(), std.detach())
+            else:
+                mean, std = self.running_moments(head)
+            late[head] = zscored_late_interaction(scores[head], masks[head], mean, std, eps=self.zscore_eps)
+        return late, masks
+
+
+class HILModule(RetrieverModule):
+    """ColBERT-HIL training (HIL Sec. 3.3) and its ablations (``reg_l`` / ``reg_h`` switch the two terms off).
+
+    Args:
+        backbone, dim, query_maxlen, doc_maxlen, query_marker, doc_marker, mask_punctuation: as ``ColBERTModule``.
+        reg_weight: lambda; the paper's best is -0.3 (A.3). The loss adds ``lambda * (L_reg_L + L_reg_H)`` with
+            ``L_reg_L = -|InterIso_L|`` and ``L_reg_H = InterIso_H`` (averaged over the (q, d+) and (q, d-) pairs),
+            so a negative lambda pushes InterIso_L toward 0 and InterIso_H toward 1 (a larger Delta InterIso).
+        reg_l, reg_h: keep each regularization term (False drops it: the ablation configs).
+        zscore_momentum, zscore_eps: running z-score statistics (see ``HILEncoder``).
+        idf_source: where the IDF table comes from when the model has none yet (computed at ``setup('fit')``;
+            a model from ``init_from`` or a resumed checkpoint keeps its own):
+            ``"train"`` the distinct passages of the training triples (the paper trains and takes IDF on MS
+            MARCO; its training passages are the in-domain collection at hand), ``"none"`` uniform weights 1 (an
+            ablation), a path to a ``query TAB positive TAB negative`` file (its passages), or a BEIR dataset name
+            or folder (its corpus).
+        idf_max_docs: use at most the first N distinct documents (None: all).
+        lr, weight_decay, adam_eps, warmup_steps, init_from, on_nonfinite_loss: see ``RetrieverModule``.
+    """
+
+    def __init__(self, backbone: str = "bert-base-uncased", dim: int = 128, query_maxlen: int = 32,
+                 doc_maxlen: int = 180, query_marker: str = QUERY_MARKER, doc_marker: str = DOC_MARKER,
+                 mask_punctuation: bool = True, reg_weight: float = -0.3, reg_l: bool = True, reg_h: bool = True,
+                 zscore_momentum: float = 0.1, zscore_eps: float = DEFAULT_EPS, idf_source: str = "train",
+                 idf_max_docs: int | None = None, lr: float = 3e-6, weight_decay: float = 0.0,
+                 adam_eps: float = 1e-8, warmup_steps: int = 0, init_from: str | None = None,
+                 on_nonfinite_loss: str = "raise"):
+        super().__init__(lr=lr, weight_decay=weight_decay, adam_eps=adam_eps, warmup_steps=warmup_steps,
+                         init_from=init_from, on_nonfinite_loss=on_nonfinite_loss)
+        if idf_max_docs is not None and idf_max_docs < 1:
+            raise ValueError(f"model.idf_max_docs must be >= 1 or null (got {idf_max_docs})")
+        self.save_hyperparameters()
+        self.encoder = HILEncoder(backbone, dim=dim, query_maxlen=query_maxlen, doc_maxlen=doc_maxlen,
+                                  query_marker=query_marker, doc_marker=doc_marker, mask_punctuation=mask_punctuation,
+                                  zscore_momentum=zscore_momentum, zscore_eps=zscore_eps)
+        self.load_initial_weights()
+
+    # -- IDF at setup ----------------------------------------------------------------------------------------------
+    def setup(self, stage: str) -> None:
+        if stage == "fit" and not self.encoder.has_idf and self.hparams.idf_source != "none":
+            texts, source = self.idf_documents()
+            self.encoder.set_idf_from_texts(texts, source=source)
+
+    def idf_documents(self) -> tuple[list[str], str]:
+        """The documents ``idf_source`` names (distinct, in first-seen order, at most ``idf_max_docs``), and a label."""
+        source, limit = str(self.hparams.idf_source), self.hparams.idf_max_docs
+        if source == "train":
+            datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+            dataset = getattr(datamodule, "train_dataset", None)
+            triples = getattr(dataset, "triples", None)
+            if triples is None:
+                raise ValueError("model.idf_source=train needs a datamodule with train_dataset.triples (the "
+                                 "TriplesDataModule); otherwise set model.idf_source to a triples file or a BEIR "
+                                 "dataset")
+            texts = _distinct((text for t in triples for text in (t.positive, t.negative)), limit)
+            return texts, f"training triples' passages"
+        from pathlib import Path
+
+        from hil.paths import resolve_data_file
+
+        try:
+            path = resolve_data_file(source)
+        except FileNotFoundError:
+            path = None
+        if path is not None and path.is_file():
+            from hil.data.triples import iter_triples
+
+            texts = _distinct((text for _, t in iter_triples(path) for text in (t.positive, t.negative)), limit)
+            return texts, f"passages of {path}"
+        from hil.data.beir import load_beir
+
+        try:
+            dataset = load_beir(source)
+        except FileNotFoundError as error:
+            raise FileNotFoundError(f"model.idf_source={source!r}: not 'train', 'none', a triples file or a BEIR "
+                                    f"dataset ({error})") from None
+        texts = dataset.documents()
+        return (texts[:limit] if limit else texts), f"corpus of {dataset.name} ({Path(dataset.source).name})"
+
+    # -- loss ------------------------------------------------------------------------------------------------------
+    def compute_loss(self, batch: dict[str, list[str]]) -> tuple[Tensor, dict[str, Tensor]]:
+        n = len(batch["queries"])
+        queries = self.encoder.encode_queries(batch["queries"])                           # heads (B, Lq, D)
+        docs = self.encoder.encode_documents(batch["positives"] + batch["negatives"])     # heads (2B, Ld, D)
+        # Queries once, documents as [positives; negatives]: pair_index says which query each document goes with.
+        pair_index = torch.arange(n, device=docs.mask.device).repeat(2)                   # (2B,)
+        late, query_masks = self.encoder.training_pair_scores(queries, docs, pair_index)  # head -> (2B,)
+        loss_late = {head: pairwise_ce_loss(late[head][:n], late[head][n:]) for head in HEADS}
+
+        paired = queries.select(pair_index)
+        iso = {head: inter_iso(paired.heads[head], docs.heads[head], query_masks[head], docs.mask)  # (2B,)
+               for head in HEADS}
+        reg_L = -iso["L"].abs().mean()   # -|InterIso_L|, |.| per pair
+        reg_H = iso["H"].mean()          # InterIso_H
+        hp = self.hparams
+        reg = reg_L * float(hp.reg_l) + reg_H * float(hp.reg_h)
+        loss = loss_late["L"] + loss_late["H"] + hp.reg_weight * reg
+
+        total = late["L"] + late["H"]
+        positive, negative = total[:n], total[n:]
+        parts = {"loss_late_L": loss_late["L"], "loss_late_H": loss_late["H"], "loss_reg_L": reg_L,
+                 "loss_reg_H": reg_H, "inter_iso_L": iso["L"].mean(), "inter_iso_H": iso["H"].mean(),
+                 "delta_inter_iso": iso["H"].mean() - iso["L"].mean(),
+                 "pair_accuracy": (positive > negative).float().mean(),
+                 "score_margin": (positive - negative).mean()}
+        for head in HEADS:
+            mean, std = self.encoder.running_moments(head)
+            parts[f"zscore_mean_{head}"] = mean
+            parts[f"zscore_std_{head}"] = std
+        return loss, {k: v.detach().float() for k, v in parts.items()}
+
+
+def _distinct(texts: Any, limit: int | None) -> list[str]:
+    seen: dict[str, None] = {}
+    for text in texts:
+        seen.setdefault(text, None)
+        if limit is not None and len(seen) >= limit:
+            break
+    return list(seen)
