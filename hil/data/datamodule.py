@@ -10,7 +10,7 @@ from typing import Any, Iterator
 
 import pytorch_lightning as pl
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from hil.data.triples import Triple, mine_bm25_triples, read_triples
 from hil.paths import resolve_data_file
@@ -32,55 +32,137 @@ def collate_triples(triples: list[Triple]) -> dict[str, list[str]]:
             "negatives": [t.negative for t in triples]}
 
 
-class EpochShuffleSampler(Sampler[int]):
-    """A permutation that depends only on (seed, epoch), and can start part-way through an epoch.
+def distributed_world() -> tuple[int, int]:
+    """(number of processes, this process's rank) of the default process group; (1, 0) without one."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size(), torch.distributed.get_rank()
+    return 1, 0
+
+
+class EpochShuffleSampler(DistributedSampler):
+    """This rank's share of a permutation that depends only on (seed, epoch), able to start part-way through.
 
     Determinism per epoch is what lets a resumed run see exactly the batches an uninterrupted run would have seen.
+
+    Multi-process (DDP): every rank draws the same permutation of the whole dataset and takes every
+    ``num_replicas``-th item starting at its rank (after padding the permutation with its own head to a multiple of
+    ``num_replicas``, as ``DistributedSampler`` does), so the ranks' shards are disjoint, cover the data, and are the
+    same length (DDP needs every rank to run the same number of steps). Subclassing ``DistributedSampler`` is what
+    makes Lightning keep this sampler instead of wrapping it in its ``DistributedSamplerWrapper`` (which would
+    shard a second time and lose the resume position), so ``use_distributed_sampler`` can stay at its default.
+
+    Resuming: after ``k`` batches of ``b`` on each of ``W`` ranks, the prefix ``order[: k * b * W]`` of the epoch's
+    permutation has been consumed; ``resume_at(epoch, consumed)`` skips exactly that prefix (on any world size that
+    divides it) when that epoch is iterated next.
+
+    Args:
+        size: number of items in the dataset.
+        seed: the permutation of epoch ``e`` is ``randperm(size, seed + e)``.
+        shuffle: False keeps the file order (still sharded by rank).
+        num_replicas, rank: default to the initialized process group, else 1 and 0.
     """
 
-    def __init__(self, size: int, seed: int, shuffle: bool = True):
-        self.size, self.seed, self.shuffle = size, seed, shuffle
-        self.epoch = 0
-        self.start = 0  # samples of the current epoch to skip (set when resuming)
+    def __init__(self, size: int, seed: int, shuffle: bool = True, num_replicas: int | None = None,
+                 rank: int | None = None, drop_last: bool = False):
+        world, own_rank = distributed_world()
+        num_replicas = world if num_replicas is None else num_replicas
+        rank = own_rank if rank is None else rank
+        super().__init__(range(size), num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
+                         drop_last=drop_last)
+        self.size = size
+        self.start = 0  # samples of this rank's shard to skip in the next iteration (then back to 0)
+        self._resume: tuple[int | None, int] | None = None  # (epoch, samples of the permutation consumed)
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+    def resume_at(self, epoch: int | None, consumed: int) -> None:
+        """Skip the first ``consumed`` items of epoch ``epoch``'s permutation (all ranks together) when it is next
+        iterated; ``epoch=None`` applies to whichever epoch comes next."""
+        self._resume = (epoch, int(consumed))
 
-    def __iter__(self) -> Iterator[int]:
+    def resolve_start(self) -> int:
+        """Fix (and return) how many of this rank's samples the next iteration skips: a pending resume position
+        applies only if it belongs to the epoch about to be iterated (a finished epoch resumes at the next one)."""
+        if self._resume is not None:
+            epoch, consumed = self._resume
+            self._resume = None
+            if epoch is None or epoch == self.epoch:
+                self.start = min(consumed // self.num_replicas, self.num_samples)
+        return self.start
+
+    def permutation(self) -> list[int]:
+        """The whole epoch's order, padded (or cut, with drop_last) to ``total_size``."""
         if self.shuffle:
             generator = torch.Generator().manual_seed(self.seed + self.epoch)
             order = torch.randperm(self.size, generator=generator).tolist()
         else:
             order = list(range(self.size))
-        start, self.start = self.start, 0
-        return iter(order[start:])
+        if self.drop_last:
+            return order[: self.total_size]
+        padding = self.total_size - len(order)
+        while padding > 0:  # repeat the head (several times if the dataset is smaller than the world)
+            order += order[:padding]
+            padding = self.total_size - len(order)
+        return order
+
+    def __iter__(self) -> Iterator[int]:
+        shard = self.permutation()[self.rank: self.total_size: self.num_replicas]  # (num_samples,)
+        start = self.resolve_start()
+        self.start = 0
+        return iter(shard[start:])
 
     def __len__(self) -> int:
-        return self.size
+        return self.num_samples
 
 
 class ResumableDataLoader(DataLoader):
-    """A DataLoader whose position in the epoch is saved in Lightning checkpoints (via state_dict)."""
+    """A DataLoader whose position in the epoch is saved in Lightning checkpoints (via ``state_dict``).
+
+    The position counts the batches handed to the training loop, which is what has been trained on: Lightning
+    fetches a sized loader's batches one at a time (no look-ahead), and DataLoader workers' read-ahead sits below
+    this count. The state is ``{"epoch", "consumed"}`` with ``consumed`` in items of the whole epoch's permutation
+    (all ranks), see ``EpochShuffleSampler``. A loader of its own ``generator`` keeps iteration from drawing on
+    the global torch RNG (which would shift dropout after a resume).
+    """
 
     def __init__(self, *args: Any, **kwargs: Any):
+        if kwargs.get("generator") is None:
+            kwargs["generator"] = torch.Generator().manual_seed(0)
         super().__init__(*args, **kwargs)
-        self._batches_yielded = 0
+        self._epoch: int = 0
+        self._start = 0            # this rank's samples skipped at the start of the current iteration
+        self._batches_yielded = 0  # batches handed out in the current iteration
+
+    def _epoch_sampler(self) -> EpochShuffleSampler | None:
+        sampler = self.batch_sampler.sampler if self.batch_sampler is not None else self.sampler
+        return sampler if isinstance(sampler, EpochShuffleSampler) else None
 
     def __iter__(self):
-        sampler = self.batch_sampler.sampler if self.batch_sampler is not None else self.sampler
-        resumed = getattr(sampler, "start", 0) // max(self.batch_size or 1, 1)
-        self._batches_yielded = resumed
+        sampler = self._epoch_sampler()
+        if sampler is not None:
+            self._epoch, self._start = sampler.epoch, sampler.resolve_start()
+        else:
+            self._epoch, self._start = 0, 0
+        self._batches_yielded = 0
         for batch in super().__iter__():
             self._batches_yielded += 1
             yield batch
 
     def state_dict(self) -> dict[str, int]:
-        return {"batches_yielded": self._batches_yielded}
+        sampler = self._epoch_sampler()
+        world = sampler.num_replicas if sampler is not None else 1
+        per_rank = self._start + self._batches_yielded * (self.batch_size or 1)
+        if sampler is not None:
+            per_rank = min(per_rank, sampler.num_samples)
+        return {"epoch": self._epoch, "consumed": per_rank * world, "world_size": world,
+                "batch_size": int(self.batch_size or 1)}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        sampler = self.batch_sampler.sampler if self.batch_sampler is not None else self.sampler
-        if hasattr(sampler, "start"):
-            sampler.start = int(state.get("batches_yielded", 0)) * (self.batch_size or 1)
+        sampler = self._epoch_sampler()
+        if sampler is None:
+            return
+        if "consumed" in state:
+            sampler.resume_at(int(state["epoch"]), int(state["consumed"]))
+        elif "batches_yielded" in state:  # checkpoints from before DDP sharding: one process, epoch not recorded
+            sampler.resume_at(None, int(state["batches_yielded"]) * (self.batch_size or 1))
 
 
 class TriplesDataModule(pl.LightningDataModule):
@@ -128,7 +210,10 @@ class TriplesDataModule(pl.LightningDataModule):
 
     def train_dataloader(self) -> ResumableDataLoader:
         assert self.train_dataset is not None, "call setup('fit') first"
-        sampler = EpochShuffleSampler(len(self.train_dataset), self.hparams.seed, self.hparams.shuffle)
+        # Shard by the trainer's ranks (DDP); without a trainer, by the process group if there is one.
+        world = (self.trainer.distributed_sampler_kwargs or {}) if self.trainer is not None else {}
+        sampler = EpochShuffleSampler(len(self.train_dataset), self.hparams.seed, self.hparams.shuffle,
+                                      num_replicas=world.get("num_replicas"), rank=world.get("rank"))
         return ResumableDataLoader(self.train_dataset, batch_size=self.hparams.batch_size, sampler=sampler,
                                    collate_fn=collate_triples, num_workers=self.hparams.num_workers,
                                    persistent_workers=self.hparams.num_workers > 0)

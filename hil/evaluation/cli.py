@@ -4,6 +4,12 @@ Examples:
     python evaluate.py --model runs/colbert/export --dataset scifact
     python evaluate.py --model sentence-transformers/all-MiniLM-L6-v2 --dataset scifact   # untrained head
     python evaluate.py --model last.ckpt --dataset nfcorpus --mode rerank
+    python evaluate.py --model runs/colbert/export --dataset scifact --transform whitening   # + post-hoc whitening
+    python evaluate.py --model M --dataset scifact --transform "whitening:k=64" --transform "remove-pcs:n_components=1"
+
+With --transform, the model is evaluated as is and with each post-hoc transform (fitted on the corpus tokens of the
+base index, saved as transform_<head>.pt in the derived index folder); metrics.json then also holds bootstrap
+intervals and paired tests of every run against the untransformed model (and BM25).
 """
 
 from __future__ import annotations
@@ -44,6 +50,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--query-maxlen", type=int, default=None)
     parser.add_argument("--doc-maxlen", type=int, default=None)
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    parser.add_argument("--transform", action="append", default=[], metavar="SPEC",
+                        help='post-hoc transform of the heads\' vectors, e.g. "whitening", "whitening:k=64", '
+                             '"remove-pcs:n_components=1", "standardize", "nice" (repeatable; the untransformed '
+                             'model is evaluated too)')
+    parser.add_argument("--transform-mode", choices=("token", "sequence"), default="token",
+                        help="fit on corpus token vectors (token-wise) or on mean-pooled documents (sequence-wise)")
+    parser.add_argument("--transform-max-tokens", type=int, default=200_000,
+                        help="corpus tokens sampled (seeded) to fit a token-wise transform")
+    parser.add_argument("--no-stats", action="store_true",
+                        help="skip bootstrap intervals and paired significance tests")
+    parser.add_argument("--bootstrap-samples", type=int, default=1000)
     return parser
 
 
@@ -55,7 +72,8 @@ def main(argv: list[str]) -> int:
 
         faiss.omp_set_num_threads(args.threads)
     from hil.data.beir import load_beir
-    from hil.evaluation.pipeline import evaluate_bm25, evaluate_retriever, format_table, write_results
+    from hil.evaluation.pipeline import (evaluate_bm25, evaluate_retriever, evaluate_transformed,
+                                         evaluation_statistics, format_statistics, format_table, write_results)
     from hil.modeling.loading import load_encoder
 
     dataset = load_beir(args.dataset, split=args.split, data_dir=args.data_dir)
@@ -82,10 +100,32 @@ def main(argv: list[str]) -> int:
         models[evaluation.name] = {"source": args.model, "settings": encoder.settings(),
                                    "fingerprint": encoder_fingerprint(encoder)}
         evaluations.append(evaluation)
+        for spec in args.transform:
+            with torch.inference_mode():
+                transformed_eval, transformed = evaluate_transformed(
+                    encoder, dataset, spec, mode=args.mode, transform_mode=args.transform_mode,
+                    max_tokens=args.transform_max_tokens, seed=args.seed, index_root=args.index_root,
+                    faiss_kind=args.faiss, faiss_params=args.faiss_params, batch_size=args.batch_size,
+                    progress=not args.quiet, k=args.k, ncandidates=args.ncandidates, rerank_depth=args.rerank_depth,
+                    drop_self_matches=not args.keep_self_matches, bm25=bm25)
+            models[transformed_eval.name] = {"source": args.model, "settings": transformed.settings(),
+                                             "fingerprint": encoder_fingerprint(transformed)}
+            evaluations.append(transformed_eval)
+    elif args.transform:
+        raise SystemExit("evaluate.py: --transform needs a model (not --mode bm25)")
+    statistics = None
+    if not args.no_stats and evaluations:
+        model_runs = [e.name for e in evaluations if e.name != "bm25"]
+        pairs = [(name, "bm25") for name in model_runs if bm25 is not None]
+        pairs += [(name, model_runs[0]) for name in model_runs[1:]]  # each transform vs the plain model
+        statistics = evaluation_statistics(evaluations, metrics=("ndcg@10", "mrr@10", "recall@100"), pairs=pairs,
+                                           n_bootstrap=args.bootstrap_samples, seed=args.seed)
     output = Path(args.output) if args.output else Path("results") / dataset.name / Path(args.model).name
-    path = write_results(output, dataset, evaluations, vars(args), models)
+    path = write_results(output, dataset, evaluations, vars(args), models, statistics=statistics)
     print(f"\n{dataset.name} ({dataset.split}: {len(dataset.queries)} queries, {len(dataset.corpus)} documents)")
     print(format_table(evaluations))
+    if statistics is not None:
+        print("\n" + format_statistics(statistics))
     print(f"\nwrote {path}")
     return 0
 

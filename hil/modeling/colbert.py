@@ -3,7 +3,8 @@
 One training step, end to end:
     queries, positives, negatives (strings)
     -> ColBERTTokenizer -> ColBERTEncoder -> Q (B, Lq, D), D+ (B, Ld, D), D- (B, Ld, D)
-    -> late interaction (Eq. 1) -> L_late = CE(score(q, d+), score(q, d-))   [or in-batch CE over all 2B docs]
+    -> late interaction (Eq. 1) -> L_late = CE(score(q, d+), score(q, d-))
+       [or in-batch CE over all 2B docs; under DDP over the docs of every rank, see in_batch_loss]
     -> + regularizer (InterIso / CosReg / I-STAR, sign of lambda = iso or aniso)
 """
 
@@ -12,12 +13,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from hil.isotropy.regularizers import Regularizer
-from hil.modeling.encoder import ColBERTEncoder
+from hil.modeling.distributed import gather_encoded
+from hil.modeling.encoder import ColBERTEncoder, EncodedBatch
 from hil.modeling.module import RetrieverModule
-from hil.modeling.scoring import in_batch_ce_loss, pairwise_ce_loss
+from hil.modeling.scoring import pairwise_ce_loss
 
 
 class ColBERTModule(RetrieverModule):
@@ -55,8 +58,9 @@ class ColBERTModule(RetrieverModule):
         q, d = queries.heads["colbert"], docs.heads["colbert"]  # (B, Lq, D), (2B, Ld, D)
         positive = self.encoder.score_pairs(queries, docs.select(slice(0, n)))
         negative = self.encoder.score_pairs(queries, docs.select(slice(n, 2 * n)))
+        in_batch_candidates = None
         if self.hparams.in_batch_negatives:
-            late = in_batch_ce_loss(self.encoder.score(queries, docs))
+            late, in_batch_candidates = self.in_batch_loss(queries, docs)
         else:
             late = pairwise_ce_loss(positive, negative)
         # Queries once, documents as [positives; negatives]: pair_index says which query each document goes with.
@@ -66,4 +70,20 @@ class ColBERTModule(RetrieverModule):
                  "pair_accuracy": (positive > negative).float().mean().detach(),
                  "score_margin": (positive - negative).mean().detach()}
         parts.update({k: v.detach() for k, v in reg_logs.items()})
+        if in_batch_candidates is not None:
+            parts["in_batch_candidates"] = torch.tensor(float(in_batch_candidates))
         return late + reg, parts
+
+    def in_batch_loss(self, queries: EncodedBatch, docs: EncodedBatch) -> tuple[Tensor, int]:
+        """In-batch CE: query i against every document of the batch -- of *every rank* under DDP. -> (loss, #docs)
+
+        ``docs`` is this rank's [positives; negatives]. Under DDP the documents of all ranks are gathered (padded,
+        never truncated; ``hil.modeling.distributed.gather_padded``) and this rank's positive of query i sits at row
+        ``offset + i`` of the gathered batch. Each rank's loss is the mean over its own queries; DDP averages the
+        gradients, so with equal per-rank batches a step equals one on the concatenated global batch.
+        """
+        everyone, offset = gather_encoded(docs)
+        scores = self.encoder.score(queries, everyone)  # (B, N) with N = 2B summed over ranks
+        # hil.modeling.scoring.in_batch_ce_loss with the targets shifted to where this rank's positives landed.
+        targets = offset + torch.arange(len(queries), device=scores.device)  # (B,)
+        return F.cross_entropy(scores, targets), len(everyone)

@@ -252,7 +252,7 @@ class HILModule(RetrieverModule):
                                  "TriplesDataModule); otherwise set model.idf_source to a triples file or a BEIR "
                                  "dataset")
             texts = _distinct((text for t in triples for text in (t.positive, t.negative)), limit)
-            return texts, f"training triples' passages"
+            return texts, "training triples' passages"
         from pathlib import Path
 
         from hil.paths import resolve_data_file

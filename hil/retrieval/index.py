@@ -35,6 +35,7 @@ import os
 import re
 import shutil
 import time
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
@@ -153,6 +154,19 @@ class TokenStore:
     @property
     def dims(self) -> dict[str, int]:
         return {head: int(array.shape[1]) for head, array in self.embeddings.items()}
+
+    def torch_view(self, name: str) -> torch.Tensor:
+        """A CPU tensor sharing memory with ``embeddings[name]`` (or ``token_ids`` for ``"token_ids"``), cached.
+
+        Read-only memmaps become read-only-backed tensors (torch warns about that once; the tensors are only read).
+        """
+        views = self.__dict__.setdefault("_torch_views", {})
+        if name not in views:
+            array = self.token_ids if name == "token_ids" else self.embeddings[name]
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*not writable.*")
+                views[name] = torch.from_numpy(array)
+        return views[name]
 
     @cached_property
     def doc_lengths(self) -> np.ndarray:

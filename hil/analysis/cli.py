@@ -1,0 +1,88 @@
+"""``python -m hil.analysis``: the analysis report of a retriever on a BEIR dataset (Markdown, JSON, PNG figures).
+
+Examples:
+    python -m hil.analysis --model runs/hil/export --compare-model runs/colbert/export --dataset scifact --output out
+    python -m hil.analysis --model sentence-transformers/all-MiniLM-L6-v2 --transform whitening --dataset scifact \\
+        --output docs/analysis-scifact
+    python -m hil.analysis --model bert-tiny-splade --dataset scifact --max-queries 20 --max-docs 300 --output /tmp/a
+
+Writes OUTPUT/report.md, OUTPUT/report.json and OUTPUT/*.png. Indexes go to --index-root (shared with evaluate.py,
+so a model indexed once is reused).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+import torch
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m hil.analysis", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="export directory, .ckpt, backbone name, or \"iso+aniso\"")
+    parser.add_argument("--compare-model", default=None,
+                        help="a second model; the reference of the per-layer log-difference (001 Fig. 5)")
+    parser.add_argument("--transform", action="append", default=[], metavar="SPEC",
+                        help='post-hoc transform(s) of the model, e.g. "whitening", "whitening:k=64", '
+                             '"remove-pcs:n_components=1", "standardize", "nice" (repeatable)')
+    parser.add_argument("--transform-mode", choices=("token", "sequence"), default="token")
+    parser.add_argument("--transform-max-tokens", type=int, default=200_000)
+    parser.add_argument("--dataset", required=True, help="BEIR name (under HIL_DATA_DIR, else the hub) or folder")
+    parser.add_argument("--split", default="test")
+    parser.add_argument("--data-dir", default=None, help="overrides HIL_DATA_DIR")
+    parser.add_argument("--max-queries", type=int, default=None, help="a seeded slice of the queries")
+    parser.add_argument("--max-docs", type=int, default=None, help="corpus slice: judged docs + sampled others")
+    parser.add_argument("--output", required=True, help="report folder")
+    parser.add_argument("--index-root", default="indexes")
+    parser.add_argument("--seed", type=int, default=12345, help="sampling and untrained-head initialisation")
+    parser.add_argument("--k", type=int, default=100, help="documents ranked per query")
+    parser.add_argument("--ncandidates", type=int, default=None)
+    parser.add_argument("--faiss", choices=("flat", "ivfflat", "ivfpq"), default="flat")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--dim", type=int, default=128, help="head size for an untrained backbone")
+    parser.add_argument("--query-maxlen", type=int, default=None)
+    parser.add_argument("--doc-maxlen", type=int, default=None)
+    parser.add_argument("--bootstrap-samples", type=int, default=1000)
+    parser.add_argument("--permutations", type=int, default=10000)
+    parser.add_argument("--pairs", type=int, default=64, help="(query, BM25 top document) pairs for Figs. 2 and 5")
+    parser.add_argument("--isotropy-tokens", type=int, default=20_000, help="token sample per isotropy score")
+    parser.add_argument("--vocab-pairs", type=int, default=100)
+    parser.add_argument("--vocab-examples", type=int, default=3)
+    parser.add_argument("--threshold-k", type=int, default=5, help="K of the top-K accuracy / scores (004)")
+    parser.add_argument("--coe-psi", type=float, default=10.0, help="percentile of top-K scores for COE/ROE")
+    parser.add_argument("--threads", type=int, default=None, help="torch/FAISS threads")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+        import faiss
+
+        faiss.omp_set_num_threads(args.threads)
+    from hil.analysis.report import AnalysisConfig, run_analysis
+
+    config = AnalysisConfig(
+        model=args.model, dataset=args.dataset, output=args.output, compare_model=args.compare_model,
+        transforms=list(args.transform), transform_mode=args.transform_mode,
+        transform_max_tokens=args.transform_max_tokens, split=args.split, data_dir=args.data_dir,
+        max_queries=args.max_queries, max_docs=args.max_docs, seed=args.seed, index_root=args.index_root, k=args.k,
+        ncandidates=args.ncandidates, faiss=args.faiss, batch_size=args.batch_size, dim=args.dim,
+        query_maxlen=args.query_maxlen, doc_maxlen=args.doc_maxlen, n_bootstrap=args.bootstrap_samples,
+        n_permutations=args.permutations, pairs=args.pairs, isotropy_tokens=args.isotropy_tokens,
+        vocab_pairs=args.vocab_pairs, vocab_examples=args.vocab_examples, threshold_k=args.threshold_k,
+        coe_psi=args.coe_psi, progress=not args.quiet,
+        command="python -m hil.analysis " + " ".join(shlex.quote(a) for a in argv))
+    report = run_analysis(config)
+    print(f"wrote {args.output}/report.md, report.json and {len(report['figures'])} figures")
+    for row in report["statistics"]["paired"]:
+        if row["metric"] == "ndcg@10":
+            print(f"  {row['a']} vs {row['b']}: nDCG@10 {row['mean_a']:.4f} vs {row['mean_b']:.4f}, "
+                  f"t-test p={row['p_t_test']:.3g}, permutation p={row['p_permutation']:.3g}")
+    return 0
