@@ -7,7 +7,6 @@ tokenizer. The reference for stored vectors is the encoder's own output for each
 from __future__ import annotations
 
 import json
-import string
 
 import numpy as np
 import pytest
@@ -251,4 +250,3 @@ def test_bad_inputs_are_refused(tiny_random_colbert, tmp_path):
     with pytest.raises(FileExistsError, match="not a hil token index"):
         build_index(encoder, ["a"], ["x"], tmp_path / "notindex", overwrite=True, progress=False)
     assert (tmp_path / "notindex" / "precious.txt").exists()
-    assert set(string.punctuation)  # (keeps the import honest for readers grepping for punctuation handling)

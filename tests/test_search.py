@@ -17,7 +17,7 @@ from torch import nn
 
 from hil.modeling.encoder import ColBERTEncoder
 from hil.modeling.scoring import late_interaction_matrix
-from hil.retrieval.index import TokenIndex, build_index, eval_mode
+from hil.retrieval.index import build_index, eval_mode
 from hil.retrieval.search import (_length_blocks, exact_rank, full_rank, gather_documents, rerank,
                                   score_documents, top_k)
 
@@ -277,7 +277,8 @@ def test_gather_documents_pads_and_masks(setup):
         assert batch.mask[b].tolist() == [True] * n + [False] * (int(lengths.max()) - n)
         np.testing.assert_array_equal(batch.heads["colbert"][b, :n].numpy(), stored(index, "colbert", i))
         assert (batch.heads["colbert"][b, n:] == 0).all()
-        assert batch.input_ids[b, :n].tolist() == index.token_ids[index.doc_offsets[i]:index.doc_offsets[i + 1]].tolist()
+        lo, hi = index.doc_offsets[i], index.doc_offsets[i + 1]
+        assert batch.input_ids[b, :n].tolist() == index.token_ids[lo:hi].tolist()
 
 
 def test_score_documents_blocks_agree_with_one_block(setup):

@@ -109,7 +109,8 @@ def score_documents(encoder: Any, queries: EncodedBatch, store: TokenStore, doc_
     return scores
 
 
-def top_k(scores: np.ndarray, doc_indices: np.ndarray, doc_id_rank: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+def top_k(scores: np.ndarray, doc_indices: np.ndarray, doc_id_rank: np.ndarray,
+          k: int) -> tuple[np.ndarray, np.ndarray]:
     """The ``k`` best documents sorted by ``(-score, doc_id)``. -> (doc_indices (k',), scores (k',))."""
     doc_indices = np.asarray(doc_indices, dtype=np.int64)
     if len(scores) > k:
@@ -283,7 +284,8 @@ def _concat_batches(batches: list[EncodedBatch]) -> EncodedBatch:
         return torch.cat([tensor, tensor.new_zeros(shape)], dim=1)
 
     heads = {head: torch.cat([pad(b.heads[head]) for b in batches]) for head in batches[0].heads}
-    return EncodedBatch(heads, torch.cat([pad(b.mask) for b in batches]), torch.cat([pad(b.input_ids) for b in batches]))
+    return EncodedBatch(heads, torch.cat([pad(b.mask) for b in batches]),
+                        torch.cat([pad(b.input_ids) for b in batches]))
 
 
 def exact_rank(encoder: Any, index: TokenStore, queries: dict[str, str], k: int = 1000, *, batch_size: int = 64,

@@ -1,0 +1,253 @@
+"""The analysis toolkit: each instrument against a slow reference, the figures, and one report on a SciFact slice."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hil.analysis import plots
+from hil.analysis.layers import layer_inter_iso, log_difference
+from hil.analysis.overlap import candidate_overlap, ranked_overlap
+from hil.analysis.similarity import isotropy_scores, pair_cosines, token_cosines, top_pairs
+from hil.analysis.vocab import content_token_ids, ranks_of, summarize_projections, PairProjection
+
+
+# -- pure functions -----------------------------------------------------------------------------------------------
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 3), st.integers(1, 5), st.integers(1, 6), st.integers(0, 10_000))
+def test_pair_cosines_match_a_loop(batch, lq, ld, seed):
+    generator = torch.Generator().manual_seed(seed)
+    q, d = torch.randn(batch, lq, 4, generator=generator), torch.randn(batch, ld, 4, generator=generator)
+    qm = torch.rand(batch, lq, generator=generator) > 0.3
+    dm = torch.rand(batch, ld, generator=generator) > 0.3
+    values, best = pair_cosines(q, d, qm, dm)
+    expected, expected_best = [], []
+    for b in range(batch):
+        for i in range(lq):
+            row = [float(F.cosine_similarity(q[b, i], d[b, j], dim=0)) for j in range(ld) if qm[b, i] and dm[b, j]]
+            expected += row
+            if qm[b, i] and dm[b].any():
+                expected_best.append(max(row))
+    assert np.allclose(values.numpy(), expected, atol=1e-5)
+    assert np.allclose(best.numpy(), expected_best, atol=1e-5)
+
+
+def test_token_cosines_mean_is_inter_iso(tiny_random_colbert):
+    from hil.isotropy.metrics import inter_iso
+
+    queries, docs = ["what do cats eat", "protein folding"], ["cats eat fish and mice", "proteins fold quickly"]
+    result = token_cosines(tiny_random_colbert, queries, docs, batch_size=1)
+    with torch.inference_mode():
+        q, d = tiny_random_colbert.encode_queries(queries), tiny_random_colbert.encode_documents(docs)
+    per_pair = inter_iso(q.heads["colbert"], d.heads["colbert"], q.mask, d.mask)  # (2,) HIL Eq. 2
+    counts = q.mask.sum(1) * d.mask.sum(1)
+    assert result.summary()["colbert"]["mean"] == pytest.approx(float((per_pair * counts).sum() / counts.sum()),
+                                                                abs=1e-5)
+    assert result.all_pairs["colbert"].size == int(counts.sum())
+    assert result.maxsim["colbert"].size == int(q.mask.sum())
+
+
+def test_layer_inter_iso_matches_a_direct_computation(tiny_random_colbert):
+    encoder = tiny_random_colbert
+    queries, docs = ["cats and dogs", "market news"], ["dogs chase cats all day", "stocks fell on monday"]
+    curve = layer_inter_iso(encoder.backbone, encoder.tokenizer, queries, docs, batch_size=1)
+    assert curve.shape == (encoder.backbone.config.num_hidden_layers + 1,)
+    for layer in range(len(curve)):
+        values = []
+        for query, doc in zip(queries, docs):
+            qb, db = encoder.tokenizer.encode_queries([query]), encoder.tokenizer.encode_documents([doc])
+            with torch.inference_mode():
+                hq = encoder.backbone(input_ids=qb.input_ids, attention_mask=qb.attention_mask,
+                                      output_hidden_states=True).hidden_states[layer][0]
+                hd = encoder.backbone(input_ids=db.input_ids, attention_mask=db.attention_mask,
+                                      output_hidden_states=True).hidden_states[layer][0]
+            qv, dv = F.normalize(hq[qb.scoring_mask[0]], dim=-1), F.normalize(hd[db.scoring_mask[0]], dim=-1)
+            values.append(float((qv @ dv.T).mean()))  # mean cosine over all token pairs: InterIso
+        assert curve[layer] == pytest.approx(np.mean(values), abs=1e-5)
+
+
+def test_log_difference():
+    diff = log_difference(np.array([0.1, 0.5, -0.2, 1.0]), np.array([0.01, 0.5, 0.3]))
+    assert diff[0] == pytest.approx(1.0) and diff[1] == pytest.approx(0.0)
+    assert math.isnan(diff[2]) and math.isnan(diff[3])
+
+
+def test_isotropy_scores_order_a_sphere_and_a_cone():
+    generator = torch.Generator().manual_seed(0)
+    sphere = F.normalize(torch.randn(3000, 16, generator=generator), dim=-1)
+    cone = F.normalize(torch.randn(3000, 16, generator=generator) * 0.2 + 1.0, dim=-1)
+    iso, aniso = isotropy_scores(sphere), isotropy_scores(cone)
+    assert iso["I(W)"] > 0.9 > aniso["I(W)"]
+    assert abs(iso["avg_cos"]) < 0.01 and aniso["avg_cos"] > 0.8
+    assert iso["isoscore"] > 0.9
+    assert isotropy_scores(sphere, max_points=100)["n_points"] == 100
+
+
+def test_top_pairs_follow_trec_order():
+    run = {"q2": {"a": 1.0, "b": 3.0}, "q1": {"c": 2.0, "d": 2.0, "e": 1.0}, "q3": {}}
+    assert top_pairs(run, depth=1) == [("q1", "d"), ("q2", "b")]  # ties by docid descending, as trec_eval
+    assert top_pairs(run, depth=2, max_queries=1) == [("q1", "d"), ("q1", "c")]
+
+
+def test_overlap_counts():
+    stats = {"candidate_sources": {"L": 6, "H": 3, "L+H": 1}}
+    first = candidate_overlap(stats, ("L", "H"))
+    assert (first["only_L"], first["only_H"], first["both"], first["total"]) == (6, 3, 1, 10)
+    assert first["share_L"] == pytest.approx(0.7) and first["share_both"] == pytest.approx(0.1)
+    run = {"q": {"d1": 3.0, "d2": 2.0, "d3": 1.0, "d4": 0.5}}
+    sources = {"q": {"d1": ("L",), "d2": ("L", "H"), "d3": ("H",), "d4": ("H",)}}
+    top = ranked_overlap(run, sources, ("L", "H"), k=3)
+    assert (top["only_L"], top["only_H"], top["both"], top["k"]) == (1, 1, 1, 3)
+    with pytest.raises(ValueError, match="two-head"):
+        candidate_overlap(stats, ("colbert",))
+
+
+def test_ranks_of_is_one_based_rank():
+    log_probs = torch.tensor([[0.1, 0.7, 0.2], [0.5, 0.2, 0.3]]).log()
+    assert ranks_of(log_probs).tolist() == [[3, 1, 2], [1, 3, 2]]
+
+
+def test_content_tokens_drop_stopwords_and_punctuation(hf_tokenizer):
+    ids = content_token_ids(hf_tokenizer, "The cat, and the hat!")
+    assert set(hf_tokenizer.convert_ids_to_tokens(sorted(ids))) == {"cat", "hat"}
+
+
+def test_projection_summary():
+    def pair(shared, retrieved):
+        return PairProjection("q", "d", "text", [], [], shared, max((r[0] for r in shared.values()), default=None),
+                              max((r[1] for r in shared.values()), default=None), 0.01, retrieved)
+
+    summary = summarize_projections([pair({"a": (1, 2), "b": (30, 200)}, 1), pair({"c": (5, 7)}, None)],
+                                    ks=(1, 10), success_depth=5)
+    assert summary["coverage_query"] == {1: pytest.approx(1 / 3), 10: pytest.approx(2 / 3)}
+    assert summary["coverage_passage"] == {1: 0.0, 10: pytest.approx(2 / 3)}
+    assert summary["mrr_shared_in_passage"] == pytest.approx((1 / 2 + 1 / 200 + 1 / 7) / 3)
+    assert summary["amnesia_median_max_rank_passage"] == {"retrieved_top5": 200.0, "missed_top5": 7.0}
+
+
+def test_plots_write_png_files(tmp_path):
+    rng = np.random.default_rng(0)
+    paths = [
+        plots.plot_cosine_distributions({"colbert": rng.uniform(-1, 1, 500), "L": rng.normal(0, .1, 500)},
+                                        tmp_path / "a.png"),
+        plots.plot_layer_inter_iso({"hil": np.array([.1, .2, .4]), "colbert": np.array([.2, .3, .3])},
+                                   tmp_path / "b.png", reference="colbert"),
+        plots.plot_overlap({"m": {"heads": ["L", "H"], "only_L": 40, "only_H": 50, "both": 10},
+                            "n": {"heads": ["iso", "aniso"], "only_iso": 90, "only_aniso": 0, "both": 10}},
+                           tmp_path / "c.png"),
+        plots.plot_isotropy([{"variant": v, "head": "colbert", "side": s, "I(W)": .5, "avg_cos": .2, "isoscore": .3}
+                             for v in ("base", "whitening") for s in ("queries", "documents")], tmp_path / "d.png"),
+        plots.plot_intervals({"a": {"ndcg@10": {"observed": .5, "low": .4, "high": .6, "confidence": .95}}},
+                             "ndcg@10", tmp_path / "e.png"),
+    ]
+    for path in paths:
+        data = path.read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
+
+
+def test_venn_circle_distance_gives_the_asked_overlap():
+    r = math.sqrt(1 / math.pi)  # unit-area circles
+    assert plots._circle_distance(r, r, 0.0) == pytest.approx(2 * r, abs=1e-6)
+    assert plots._circle_distance(r, r, 1.0) == pytest.approx(0.0, abs=1e-6)
+    d = plots._circle_distance(r, r, 0.5)
+    lens = 2 * r * r * math.acos(d / (2 * r)) - 0.5 * d * math.sqrt(4 * r * r - d * d)
+    assert lens == pytest.approx(0.5, abs=1e-6)
+
+
+# -- the MLM head --------------------------------------------------------------------------------------------------
+
+@pytest.mark.integration
+def test_mlm_head_found_or_explained(shared_dir):
+    from hil.analysis.vocab import load_mlm_head, pooled_states, project
+    from hil.modeling.loading import load_encoder
+
+    tiny = load_encoder("bert-tiny-splade", dim=8)
+    head, why = load_mlm_head(tiny)
+    assert head is not None and head.vocab_size == 30522, why
+    states = pooled_states(tiny.backbone, tiny.tokenizer, ["what is a protein"], is_query=True)
+    log_probs = project(head, states)
+    assert log_probs.shape == (1, 30522) and torch.allclose(log_probs.exp().sum(), torch.tensor(1.0), atol=1e-4)
+    minilm = load_encoder("sentence-transformers/all-MiniLM-L6-v2", dim=8)
+    head, why = load_mlm_head(minilm)
+    assert head is None and "no MLM head weights" in why
+
+
+# -- one report on a SciFact slice --------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def report(shared_dir, tmp_path_factory):
+    from hil.analysis.report import AnalysisConfig, run_analysis
+
+    output = tmp_path_factory.mktemp("analysis")
+    config = AnalysisConfig(model="bert-tiny-splade", compare_model="bert-tiny-splade+bert-tiny-splade",
+                            transforms=["whitening"], dataset="scifact", max_queries=10, max_docs=200, seed=0,
+                            output=str(output), index_root=str(output / "indexes"), dim=32, doc_maxlen=64,
+                            pairs=6, isotropy_tokens=2000, vocab_pairs=10, n_bootstrap=200, n_permutations=500,
+                            progress=False)
+    return run_analysis(config), output
+
+
+@pytest.mark.integration
+def test_report_files_and_sections(report):
+    data, output = report
+    text = (output / "report.md").read_text()
+    for section in ("## Retrieval quality", "## Significance", "## BM25-Easy split", "## Post-hoc transforms",
+                    "## Isotropy", "## Query-document token cosines (001 Fig. 2)", "## InterIso per layer (001 Fig. 5)",
+                    "## Head overlap (001 Fig. 3)", "## Score thresholds and COE / ROE",
+                    "## Vocabulary projections and token amnesia (003)"):
+        assert section in text, section
+    assert json.loads((output / "report.json").read_text())["figures"] == data["figures"]
+    assert set(data["figures"]) == {"intervals", "token_cosines", "layers", "overlap", "isotropy"}
+    for name in data["figures"].values():
+        assert (output / name).stat().st_size > 1000 and f"({name})" in text
+
+
+@pytest.mark.integration
+def test_report_statistics_and_runs(report):
+    data, _ = report
+    assert set(data["runs"]) == {"bm25", "bert-tiny-splade", "bert-tiny-splade+whitening",
+                                 "bert-tiny-splade+bert-tiny-splade"}
+    paired = {(r["a"], r["b"], r["metric"]): r for r in data["statistics"]["paired"]}
+    row = paired[("bert-tiny-splade+whitening", "bert-tiny-splade", "ndcg@10")]
+    assert row["n"] == 10 and 0 <= row["p_t_test"] <= 1 and 0 < row["p_permutation"] <= 1
+    runs = data["runs"]
+    assert row["mean_diff"] == pytest.approx(runs["bert-tiny-splade+whitening"]["metrics"]["ndcg@10"]
+                                             - runs["bert-tiny-splade"]["metrics"]["ndcg@10"], abs=1e-9)
+    interval = data["statistics"]["bootstrap"]["bert-tiny-splade"]["success@5"]
+    assert interval["low"] <= runs["bert-tiny-splade"]["metrics"]["success@5"] <= interval["high"]
+    easy = data["statistics"]["bm25_easy"]
+    assert easy["n_easy"] == 5 and easy["runs"]["bm25"]["ndcg@10"]["easy"] >= easy["runs"]["bm25"]["ndcg@10"]["hard"]
+    thresholds = data["thresholds"]["bert-tiny-splade"]
+    assert 0 <= thresholds["coe_roe"]["coe"] <= 1 and 0 <= thresholds["coe_roe"]["roe"] <= 1
+    assert thresholds["mean_correct"] > thresholds["mean_random"]
+
+
+@pytest.mark.integration
+def test_report_isotropy_layers_overlap_and_vocabulary(report):
+    data, _ = report
+    rows = {(r["variant"], r["side"]): r for r in data["isotropy"] if r["head"] == "colbert"}
+    before, after = rows[("bert-tiny-splade", "documents")], rows[("bert-tiny-splade+whitening", "documents")]
+    assert after["avg_cos"] < before["avg_cos"] and after["isoscore"] > before["isoscore"]
+    assert abs(after["avg_cos"]) < 0.05  # whitened on these very documents
+    cosines = data["token_cosines"]
+    assert cosines["bert-tiny-splade+whitening"]["colbert"]["mean"] < cosines["bert-tiny-splade"]["colbert"]["mean"]
+    assert set(cosines["bert-tiny-splade+bert-tiny-splade"]) == {"iso", "aniso"}
+    layers = data["layers"]
+    assert layers["reference"] == "bert-tiny-splade+bert-tiny-splade/iso"
+    assert len(layers["values"]["bert-tiny-splade"]) == 3  # embeddings + 2 layers
+    overlap = data["head_overlap"]["bert-tiny-splade+bert-tiny-splade"]
+    stats = data["runs"]["bert-tiny-splade+bert-tiny-splade"]["search_stats"]
+    assert overlap["first_stage"]["total"] == pytest.approx(stats["candidates_mean"] * stats["n_queries"])
+    assert 0 < overlap["ranked"]["total"] <= min(overlap["first_stage"]["total"], 10 * 100)
+    vocab = data["vocabulary"]
+    assert vocab["available"] and vocab["summary"]["n_pairs"] == 10
+    example = vocab["examples"][0]
+    assert len(example["top_query"]) == 20 and all(r[0] >= 1 and r[1] >= 1 for r in example["shared"].values())
