@@ -165,8 +165,11 @@ def test_venn_circle_distance_gives_the_asked_overlap():
 # -- the MLM head --------------------------------------------------------------------------------------------------
 
 @pytest.mark.integration
-def test_mlm_head_found_or_explained(shared_dir):
+def test_mlm_head_found_or_explained(shared_dir, hf_tokenizer, tmp_path):
+    from conftest import random_bert
+
     from hil.analysis.vocab import load_mlm_head, pooled_states, project
+    from hil.modeling.encoder import ColBERTEncoder
     from hil.modeling.loading import load_encoder
 
     tiny = load_encoder("bert-tiny-splade", dim=8)
@@ -175,8 +178,10 @@ def test_mlm_head_found_or_explained(shared_dir):
     states = pooled_states(tiny.backbone, tiny.tokenizer, ["what is a protein"], is_query=True)
     log_probs = project(head, states)
     assert log_probs.shape == (1, 30522) and torch.allclose(log_probs.exp().sum(), torch.tensor(1.0), atol=1e-4)
-    minilm = load_encoder("sentence-transformers/all-MiniLM-L6-v2", dim=8)
-    head, why = load_mlm_head(minilm)
+    # a backbone saved without an MLM head (like all-MiniLM-L6-v2): skipped, with the reason
+    random_bert().save_pretrained(tmp_path / "bare")
+    hf_tokenizer.save_pretrained(tmp_path / "bare")
+    head, why = load_mlm_head(ColBERTEncoder(str(tmp_path / "bare"), dim=8))
     assert head is None and "no MLM head weights" in why
 
 
@@ -184,15 +189,23 @@ def test_mlm_head_found_or_explained(shared_dir):
 
 @pytest.fixture(scope="module")
 def report(shared_dir, tmp_path_factory):
+    """One analysis of a two-head model (a ColBERT-lambda of two exported untrained members) and its whitening."""
     from hil.analysis.report import AnalysisConfig, run_analysis
+    from hil.modeling.encoder import ColBERTEncoder
 
     output = tmp_path_factory.mktemp("analysis")
-    config = AnalysisConfig(model="bert-tiny-splade", compare_model="bert-tiny-splade+bert-tiny-splade",
-                            transforms=["whitening"], dataset="scifact", max_queries=10, max_docs=200, seed=0,
-                            output=str(output), index_root=str(output / "indexes"), dim=32, doc_maxlen=64,
+    members = []
+    for seed, name in ((1, "iso"), (2, "aniso")):
+        torch.manual_seed(seed)
+        members.append(str(ColBERTEncoder("bert-tiny-splade", dim=32, doc_maxlen=64).save_pretrained(output / name)))
+    config = AnalysisConfig(model="+".join(members), transforms=["whitening"], dataset="scifact", max_queries=10,
+                            max_docs=200, seed=0, output=str(output), index_root=str(output / "indexes"), k=100,
                             pairs=6, isotropy_tokens=2000, vocab_pairs=10, n_bootstrap=200, n_permutations=500,
                             progress=False)
     return run_analysis(config), output
+
+
+MODEL, WHITENED = "iso+aniso", "iso+aniso+whitening"
 
 
 @pytest.mark.integration
@@ -202,7 +215,7 @@ def test_report_files_and_sections(report):
     for section in ("## Retrieval quality", "## Significance", "## BM25-Easy split", "## Post-hoc transforms",
                     "## Isotropy", "## Query-document token cosines (001 Fig. 2)", "## InterIso per layer (001 Fig. 5)",
                     "## Head overlap (001 Fig. 3)", "## Score thresholds and COE / ROE",
-                    "## Vocabulary projections and token amnesia (003)"):
+                    "## Vocabulary projections and token amnesia (003)", "**Query "):
         assert section in text, section
     assert json.loads((output / "report.json").read_text())["figures"] == data["figures"]
     assert set(data["figures"]) == {"intervals", "token_cosines", "layers", "overlap", "isotropy"}
@@ -213,19 +226,20 @@ def test_report_files_and_sections(report):
 @pytest.mark.integration
 def test_report_statistics_and_runs(report):
     data, _ = report
-    assert set(data["runs"]) == {"bm25", "bert-tiny-splade", "bert-tiny-splade+whitening",
-                                 "bert-tiny-splade+bert-tiny-splade"}
-    paired = {(r["a"], r["b"], r["metric"]): r for r in data["statistics"]["paired"]}
-    row = paired[("bert-tiny-splade+whitening", "bert-tiny-splade", "ndcg@10")]
-    assert row["n"] == 10 and 0 <= row["p_t_test"] <= 1 and 0 < row["p_permutation"] <= 1
     runs = data["runs"]
-    assert row["mean_diff"] == pytest.approx(runs["bert-tiny-splade+whitening"]["metrics"]["ndcg@10"]
-                                             - runs["bert-tiny-splade"]["metrics"]["ndcg@10"], abs=1e-9)
-    interval = data["statistics"]["bootstrap"]["bert-tiny-splade"]["success@5"]
-    assert interval["low"] <= runs["bert-tiny-splade"]["metrics"]["success@5"] <= interval["high"]
+    assert set(runs) == {"bm25", MODEL, WHITENED}
+    assert runs[WHITENED]["transform"]["heads"].keys() == {"iso", "aniso"}  # each head fitted on its own tokens
+    paired = {(r["a"], r["b"], r["metric"]): r for r in data["statistics"]["paired"]}
+    assert (MODEL, "bm25", "ndcg@10") in paired
+    row = paired[(WHITENED, MODEL, "ndcg@10")]
+    assert row["n"] == 10 and 0 <= row["p_t_test"] <= 1 and 0 < row["p_permutation"] <= 1
+    assert row["mean_diff"] == pytest.approx(runs[WHITENED]["metrics"]["ndcg@10"] - runs[MODEL]["metrics"]["ndcg@10"],
+                                             abs=1e-9)
+    interval = data["statistics"]["bootstrap"][MODEL]["success@5"]
+    assert interval["low"] <= runs[MODEL]["metrics"]["success@5"] <= interval["high"]
     easy = data["statistics"]["bm25_easy"]
     assert easy["n_easy"] == 5 and easy["runs"]["bm25"]["ndcg@10"]["easy"] >= easy["runs"]["bm25"]["ndcg@10"]["hard"]
-    thresholds = data["thresholds"]["bert-tiny-splade"]
+    thresholds = data["thresholds"][MODEL]
     assert 0 <= thresholds["coe_roe"]["coe"] <= 1 and 0 <= thresholds["coe_roe"]["roe"] <= 1
     assert thresholds["mean_correct"] > thresholds["mean_random"]
 
@@ -233,21 +247,22 @@ def test_report_statistics_and_runs(report):
 @pytest.mark.integration
 def test_report_isotropy_layers_overlap_and_vocabulary(report):
     data, _ = report
-    rows = {(r["variant"], r["side"]): r for r in data["isotropy"] if r["head"] == "colbert"}
-    before, after = rows[("bert-tiny-splade", "documents")], rows[("bert-tiny-splade+whitening", "documents")]
-    assert after["avg_cos"] < before["avg_cos"] and after["isoscore"] > before["isoscore"]
-    assert abs(after["avg_cos"]) < 0.05  # whitened on these very documents
-    cosines = data["token_cosines"]
-    assert cosines["bert-tiny-splade+whitening"]["colbert"]["mean"] < cosines["bert-tiny-splade"]["colbert"]["mean"]
-    assert set(cosines["bert-tiny-splade+bert-tiny-splade"]) == {"iso", "aniso"}
+    rows = {(r["variant"], r["head"], r["side"]): r for r in data["isotropy"]}
+    for head in ("iso", "aniso"):
+        before, after = rows[(MODEL, head, "documents")], rows[(WHITENED, head, "documents")]
+        assert after["avg_cos"] < before["avg_cos"] and after["isoscore"] > before["isoscore"]
+        assert abs(after["avg_cos"]) < 0.05  # whitened on these very documents
+        cosines = data["token_cosines"]
+        assert cosines[WHITENED][head]["mean"] < cosines[MODEL][head]["mean"]
     layers = data["layers"]
-    assert layers["reference"] == "bert-tiny-splade+bert-tiny-splade/iso"
-    assert len(layers["values"]["bert-tiny-splade"]) == 3  # embeddings + 2 layers
-    overlap = data["head_overlap"]["bert-tiny-splade+bert-tiny-splade"]
-    stats = data["runs"]["bert-tiny-splade+bert-tiny-splade"]["search_stats"]
-    assert overlap["first_stage"]["total"] == pytest.approx(stats["candidates_mean"] * stats["n_queries"])
-    assert 0 < overlap["ranked"]["total"] <= min(overlap["first_stage"]["total"], 10 * 100)
+    assert layers["reference"] is None and set(layers["values"]) == {f"{MODEL}/iso", f"{MODEL}/aniso"}
+    assert all(len(curve) == 3 for curve in layers["values"].values())  # embeddings + 2 layers
+    for name in (MODEL, WHITENED):
+        overlap, stats = data["head_overlap"][name], data["runs"][name]["search_stats"]
+        assert overlap["first_stage"]["total"] == pytest.approx(stats["candidates_mean"] * stats["n_queries"])
+        assert 0 < overlap["ranked"]["total"] <= min(overlap["first_stage"]["total"], 10 * 100)
     vocab = data["vocabulary"]
-    assert vocab["available"] and vocab["summary"]["n_pairs"] == 10
+    # the members are exports without an MLM head: the head of the backbone they came from is used
+    assert vocab["available"] and vocab["source"] == "bert-tiny-splade" and vocab["summary"]["n_pairs"] == 10
     example = vocab["examples"][0]
     assert len(example["top_query"]) == 20 and all(r[0] >= 1 and r[1] >= 1 for r in example["shared"].values())

@@ -240,3 +240,29 @@ def test_evaluate_cli_with_transform(scifact, index_root, tmp_path, shared_dir):
     assert ("colbert-full", "bm25", "ndcg@10") in pairs
     assert "bm25_easy" in record["statistics"]
     assert (out / "colbert+whitening-token-full.trec").is_file()
+
+
+def test_hil_heads_are_transformed_each_with_its_own_fit(hf_tokenizer):
+    from conftest import random_bert
+
+    from hil.modeling.hil import HILEncoder
+
+    torch.manual_seed(0)
+    hil = HILEncoder("random-bert", dim=16, query_maxlen=12, doc_maxlen=24,
+                     _loaded=(random_bert(), hf_tokenizer)).eval()
+    encoder = fit_transformed_encoder(hil, "whitening", texts=TEXTS)
+    assert encoder.head_names == ("L", "H") and set(encoder.transforms) == {"L", "H"}
+    assert not torch.allclose(encoder.transforms["L"].steps[0].mean, encoder.transforms["H"].steps[0].mean)
+    assert encoder.has_idf == hil.has_idf  # read through from the wrapped model
+    with eval_mode(encoder):
+        queries, docs = encoder.encode_queries(QUERIES), encoder.encode_documents(TEXTS[:4])
+        base_docs = hil.encode_documents(TEXTS[:4])
+        scores = encoder.score(queries, docs)
+        pairs = encoder.score_pairs(queries, docs.select(slice(0, 3)))
+    for head in ("L", "H"):
+        mask = docs.mask.bool()
+        expected = encoder.transforms[head].transform(base_docs.heads[head][mask])
+        assert torch.allclose(docs.heads[head][mask], expected, atol=1e-5)
+    # HIL's own scoring (IDF-weighted L + H with its z-scores) on the transformed vectors
+    assert torch.allclose(scores, hil.score(queries, docs), atol=1e-6)
+    assert torch.allclose(pairs, torch.diagonal(scores[:, :3]), atol=1e-4)

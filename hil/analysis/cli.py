@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output", required=True, help="report folder")
     parser.add_argument("--index-root", default="indexes")
     parser.add_argument("--seed", type=int, default=12345, help="sampling and untrained-head initialisation")
-    parser.add_argument("--k", type=int, default=100, help="documents ranked per query")
+    parser.add_argument("--k", type=int, default=1000, help="documents ranked per query")
     parser.add_argument("--ncandidates", type=int, default=None)
     parser.add_argument("--faiss", choices=("flat", "ivfflat", "ivfpq"), default="flat")
     parser.add_argument("--batch-size", type=int, default=32)

@@ -73,7 +73,7 @@ class AnalysisConfig:
     max_docs: int | None = None
     seed: int = 12345
     index_root: str = "indexes"
-    k: int = 100
+    k: int = 1000
     ncandidates: int | None = None
     faiss: str = "flat"
     batch_size: int = 32
@@ -106,7 +106,11 @@ class Variant:
 
 
 def _label(source: str, taken: set[str]) -> str:
-    base = run_name(Path(str(source).rstrip("/")).name.removesuffix(".ckpt") or "model")
+    """A short unique run name from a model source: its folder / file name ("iso+aniso" for an ensemble)."""
+    from hil.modeling.loading import split_ensemble_source
+
+    parts = split_ensemble_source(source) or [source]
+    base = run_name("+".join(Path(str(p).rstrip("/")).name.removesuffix(".ckpt") for p in parts) or "model")
     label, i = base, 2
     while label in taken or label == "bm25":
         label, i = f"{base}-{i}", i + 1
@@ -213,9 +217,8 @@ def run_analysis(config: AnalysisConfig) -> dict[str, Any]:
             if not correct:
                 notes.append(f"{v.name}: no query has a relevant document in the index; thresholds skipped")
                 continue
-            table = threshold_analysis(correct, random,
-                                       thresholds=np.percentile(np.concatenate([np.ravel(x) for x in
-                                                                                correct.values()]), [10, 25, 50, 75, 90]))
+            correct_scores = np.concatenate([np.ravel(x) for x in correct.values()])
+            table = threshold_analysis(correct, random, thresholds=np.percentile(correct_scores, [10, 25, 50, 75, 90]))
             coe = overlap_coe_roe(correct, topk, random, psi=config.coe_psi, n_samples=500, seed=config.seed)
             accuracy = bootstrap_thresholds(v.evaluation.run, dataset.qrels, k=config.threshold_k, n_samples=500,
                                             seed=config.seed)
@@ -433,8 +436,9 @@ def render_markdown(report: dict[str, Any]) -> str:
     curves = layers["values"]
     width = max(len(v) for v in curves.values())
     header = ["layer", *curves] + ([f"log10 diff {k}" for k in (layers["log10_difference"] or {})])
+    differences = list((layers["log10_difference"] or {}).values())
     rows = [[i, *[c[i] if i < len(c) else None for c in curves.values()],
-             *[d[i] if i < len(d) else None for d in (layers["log10_difference"] or {}).values()]] for i in range(width)]
+             *[d[i] if i < len(d) else None for d in differences]] for i in range(width)]
     lines += _table(header, rows) + [f"![layers]({report['figures']['layers']})", ""]
 
     lines += ["## Head overlap (001 Fig. 3)", ""]

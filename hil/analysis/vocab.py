@@ -23,7 +23,7 @@ Choices:
 from __future__ import annotations
 
 import string
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -178,7 +178,6 @@ class PairProjection:
     max_rank_passage: int | None
     passage_token_mrr: float | None      # 003 Table 2: mean reciprocal rank in P of the passage's other tokens
     retrieved_rank: int | None = None    # rank of the passage in the model's run (None: not retrieved)
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def project_pairs(head: MLMHead, backbone: nn.Module, tokenizer: Any, pairs: Sequence[tuple[str, str]],

@@ -15,9 +15,14 @@ def _masked_max(sim: Tensor, doc_mask: Tensor | None) -> Tensor:
     """Max over the last axis, ignoring masked document tokens; a document with no token left scores 0."""
     if doc_mask is None:
         return sim.max(dim=-1).values
-    sim = sim.masked_fill(~doc_mask, float("-inf"))
-    best = sim.max(dim=-1).values
-    return torch.where(torch.isinf(best), torch.zeros_like(best), best)
+    # In place: ``sim`` is a fresh product that the matmul's backward does not need, and it is the largest
+    # tensor of late interaction (Bq * Bd * Lq * Ld); an out-of-place fill would double the peak memory.
+    sim = sim.masked_fill_(~doc_mask, float("-inf"))
+    if sim.requires_grad:  # max routes the gradient to one winner among ties (amax would split it)
+        best = sim.max(dim=-1).values
+        return torch.where(torch.isneginf(best), torch.zeros_like(best), best)
+    best = sim.amax(dim=-1)  # no indices to compute
+    return best.masked_fill_(torch.isneginf(best), 0.0)  # only an empty document leaves -inf
 
 
 def maxsim(queries: Tensor, docs: Tensor, doc_mask: Tensor | None = None) -> Tensor:

@@ -56,7 +56,9 @@ DOC_IDS_JSON = "doc_ids.json"
 DOC_OFFSETS_NPY = "doc_offsets.npy"
 TOKEN_IDS_NPY = "token_ids.npy"
 CHUNKS_DIR = "chunks"
-FAISS_KINDS = ("flat", "ivfflat", "ivfpq")
+FAISS_KINDS = ("flat", "ivfflat", "ivfpq", "plaid")
+# Settings that only steer search, not what is stored: changing them never rebuilds anything.
+SEARCH_TIME_PARAMS = frozenset({"nprobe", "ndocs", "stage2_docs"})
 _HEAD_NAME = re.compile(r"^[A-Za-z0-9_\-]+$")
 
 
@@ -262,7 +264,9 @@ def check_faiss_options(kind: str, params: dict[str, Any] | None) -> dict[str, A
         raise ValueError(f"faiss_kind must be one of {FAISS_KINDS}, got {kind!r}")
     params = dict(params or {})
     known = {"flat": set(), "ivfflat": {"nlist", "nprobe", "train_size", "seed"},
-             "ivfpq": {"nlist", "nprobe", "train_size", "seed", "m", "nbits"}}[kind]
+             "ivfpq": {"nlist", "nprobe", "train_size", "seed", "m", "nbits"},
+             "plaid": {"n_centroids", "train_size", "niter", "seed", "nprobe", "ndocs", "stage2_docs",
+                       "residual_bits", "keep_embeddings"}}[kind]
     unknown = set(params) - known
     if unknown:
         raise ValueError(f"faiss_params {sorted(unknown)} do not apply to faiss_kind={kind!r} (known: {sorted(known)})")
@@ -279,6 +283,8 @@ def resolve_faiss_params(kind: str, params: dict[str, Any] | None, n_tokens: int
     params = check_faiss_options(kind, params)
     if kind == "flat":
         return {}
+    if kind == "plaid":
+        return resolve_plaid_params(params, n_tokens, dim)
     nlist = int(params.get("nlist") or max(1, min(int(4 * math.sqrt(n_tokens)), n_tokens // 39)))
     resolved: dict[str, Any] = {"nlist": nlist, "nprobe": int(params.get("nprobe", 32)),
                                 "train_size": int(params.get("train_size") or min(n_tokens, max(100 * nlist, 65536))),
@@ -301,9 +307,49 @@ def resolve_faiss_params(kind: str, params: dict[str, Any] | None, n_tokens: int
     return resolved
 
 
+def resolve_plaid_params(params: dict[str, Any], n_tokens: int, dim: int) -> dict[str, Any]:
+    """Complete the settings of a ``plaid`` index (centroid pruning, :mod:`hil.retrieval.plaid`).
+
+    Stored structure: ``n_centroids`` (default ColBERTv2's ``2**floor(log2(16 sqrt(n_tokens)))``), k-means on
+    ``train_size`` sampled tokens (default ``min(n_tokens, 64 n_centroids)``) for ``niter`` iterations (default 10),
+    ``seed``; ``residual_bits`` (0 = none; 1, 2, 4 or 8) adds ColBERTv2 residual codes, and ``keep_embeddings=False``
+    (only with residuals) then drops the fp16 vectors: search scores decompressed vectors.
+    Search-time defaults: ``nprobe`` centroids per query token, ``stage2_docs`` documents kept by the probed-cells
+    bound, ``ndocs`` documents kept by the centroid interaction and scored exactly (per head).
+    """
+    from hil.retrieval.codec import NBITS
+    from hil.retrieval.plaid import default_n_centroids
+
+    n_centroids = int(params.get("n_centroids") or default_n_centroids(n_tokens))
+    if not 1 <= n_centroids <= max(1, n_tokens):
+        raise ValueError(f"plaid: n_centroids={n_centroids} must lie in 1..n_tokens={n_tokens}")
+    resolved: dict[str, Any] = {
+        "n_centroids": n_centroids,
+        "train_size": min(n_tokens, int(params.get("train_size") or 64 * n_centroids)),
+        "niter": int(params.get("niter", 10)), "seed": int(params.get("seed", 0)),
+        "nprobe": int(params.get("nprobe", 8)), "ndocs": int(params.get("ndocs", 256)),
+        "stage2_docs": int(params.get("stage2_docs", 1024)),
+        "residual_bits": int(params.get("residual_bits") or 0),
+        "keep_embeddings": bool(params.get("keep_embeddings", True))}
+    if resolved["train_size"] < n_centroids:
+        raise ValueError(f"plaid: n_centroids={n_centroids} needs at least as many training tokens "
+                         f"(train_size={resolved['train_size']})")
+    for name in ("nprobe", "ndocs", "stage2_docs", "niter"):
+        if resolved[name] < 1:
+            raise ValueError(f"plaid: {name} must be >= 1, got {resolved[name]}")
+    bits = resolved["residual_bits"]
+    if bits and (bits not in NBITS or dim * bits % 8):
+        raise ValueError(f"plaid: residual_bits must be 0 or one of {NBITS} (with D * bits a multiple of 8), got {bits}")
+    if not resolved["keep_embeddings"] and not bits:
+        raise ValueError("plaid: keep_embeddings=False needs residual_bits (the vectors must be stored somehow)")
+    return resolved
+
+
 def _factory_string(kind: str, params: dict[str, Any]) -> str:
     if kind == "flat":
         return "Flat"
+    if kind == "plaid":
+        return f"PLAID{params['n_centroids']}" + (f",R{params['residual_bits']}" if params["residual_bits"] else "")
     if kind == "ivfflat":
         return f"IVF{params['nlist']},Flat"
     return f"IVF{params['nlist']},PQ{params['m']}x{params['nbits']}"
@@ -362,6 +408,31 @@ def build_faiss_index(embeddings: np.ndarray, kind: str = "flat", params: dict[s
 
 # -- the index on disk ------------------------------------------------------------------------------------------
 
+_PLAID_FILES = ("centroids", "codes", "ivf_offsets", "ivf_docs", "residuals")
+
+
+def _plaid_paths(directory: Path, head: str) -> dict[str, Path]:
+    return {name: directory / f"{head}.{name}.npy" for name in _PLAID_FILES}
+
+
+def _load_vectors(directory: Path, meta: dict[str, Any], head: str, mode: str | None) -> Any:
+    """A head's (n_tokens, D) vectors: the fp16 memmap, or a decompressing view of a compressed-only index."""
+    path = directory / f"{head}.embeddings.npy"
+    if path.is_file():
+        return np.load(path, mmap_mode=mode)
+    codec_settings = meta.get("faiss", {}).get("codecs", {}).get(head)
+    if codec_settings is None:
+        raise FileNotFoundError(f"{path}: missing, and the index stores no compressed vectors for head {head!r}")
+    from hil.retrieval.codec import CompressedEmbeddings, ResidualCodec
+
+    paths = _plaid_paths(directory, head)
+    codec = ResidualCodec(np.load(paths["centroids"]), int(codec_settings["nbits"]),
+                          np.asarray(codec_settings["cutoffs"], dtype=np.float32),
+                          np.asarray(codec_settings["weights"], dtype=np.float32))
+    return CompressedEmbeddings(codec, np.load(paths["codes"], mmap_mode=mode),
+                                np.load(paths["residuals"], mmap_mode=mode))
+
+
 class TokenIndex(TokenStore):
     """A finished index folder, its arrays memory-mapped (see the module docstring for the layout)."""
 
@@ -390,8 +461,40 @@ class TokenIndex(TokenStore):
         return self.meta["faiss"]
 
     def bytes_per_token(self) -> int:
-        """Stored embedding bytes per token, all heads together (fp16; token ids and FAISS not counted)."""
-        return int(sum(array.shape[1] * array.dtype.itemsize for array in self.embeddings.values()))
+        """Stored vector bytes per token, all heads together: the fp16 rows, or for a compressed-only index the
+        centroid code plus the packed residual (token ids, FAISS / centroid structures not counted)."""
+        total = 0
+        for head, array in self.embeddings.items():
+            if getattr(array, "codec", None) is not None:  # CompressedEmbeddings
+                total += int(array.codes.dtype.itemsize + array.codec.packed_bytes)
+            else:
+                total += int(array.shape[1] * array.dtype.itemsize)
+        return total
+
+    def disk_bytes(self) -> int:
+        """Bytes of every file in the index folder (vectors, ids, offsets, FAISS / centroid files, JSON)."""
+        return int(sum(path.stat().st_size for path in self.directory.iterdir() if path.is_file()))
+
+    @property
+    def compressed_only(self) -> bool:
+        """True when the index keeps residual-compressed vectors only (no fp16 rows)."""
+        return any(getattr(array, "codec", None) is not None for array in self.embeddings.values())
+
+    def plan(self, head: str) -> Any:
+        """The :class:`~hil.retrieval.plaid.CentroidPlan` of ``head`` (``plaid`` indexes), loaded on first use."""
+        from hil.retrieval.plaid import CentroidPlan
+
+        if self.faiss_settings["kind"] != "plaid":
+            raise ValueError(f"{self.directory}: a {self.faiss_settings['kind']!r} index has no centroid plan "
+                             "(build it with faiss_kind='plaid')")
+        if head not in self.embeddings:
+            raise KeyError(f"{self.directory}: no head {head!r} (heads: {list(self.embeddings)})")
+        plans = self.__dict__.setdefault("_plans", {})
+        if head not in plans:
+            paths = _plaid_paths(self.directory, head)
+            plans[head] = CentroidPlan(np.load(paths["centroids"]), np.load(paths["codes"], mmap_mode="r"),
+                                       np.load(paths["ivf_offsets"]), np.load(paths["ivf_docs"]), self.doc_offsets)
+        return plans[head]
 
     @classmethod
     def load(cls, directory: str | os.PathLike, expect_corpus_fingerprint: str | None = None,
@@ -419,7 +522,7 @@ class TokenIndex(TokenStore):
         with open(directory / DOC_IDS_JSON, encoding="utf-8") as handle:
             doc_ids = json.load(handle)
         doc_offsets = np.load(directory / DOC_OFFSETS_NPY)
-        embeddings = {head: np.load(directory / f"{head}.embeddings.npy", mmap_mode=mode) for head in meta["heads"]}
+        embeddings = {head: _load_vectors(directory, meta, head, mode) for head in meta["heads"]}
         token_ids = np.load(directory / TOKEN_IDS_NPY, mmap_mode=mode)
         n_tokens = int(meta["n_tokens"])
         problems = []
@@ -440,6 +543,9 @@ class TokenIndex(TokenStore):
         key = (head, use_gpu)
         if key not in self._faiss:
             kind = self.faiss_settings["kind"]
+            if kind == "plaid":
+                raise ValueError(f"{self.directory}: a 'plaid' index searches centroids, not FAISS (use "
+                                 "TokenIndex.plan(head), or full_rank which does)")
             if kind == "flat":
                 index = build_faiss_index(self.embeddings[head], "flat", use_gpu=use_gpu)
             else:
@@ -458,25 +564,88 @@ class TokenIndex(TokenStore):
 
 def _build_faiss_files(directory: Path, embeddings: dict[str, np.ndarray], kind: str,
                        params: dict[str, Any] | None, use_gpu: bool, progress: bool) -> dict[str, Any]:
-    """Write ``<head>.faiss`` for each head (IVF kinds) and return the FAISS part of ``index.json``."""
+    """Write ``<head>.faiss`` for each head (IVF kinds) or the centroid files (``plaid``); return the FAISS part
+    of ``index.json``. Files of another kind left from an earlier build are removed."""
     import faiss
 
     resolved = {}
+    codecs: dict[str, Any] = {}
     for head, array in embeddings.items():
         resolved = resolve_faiss_params(kind, params, array.shape[0], array.shape[1])
         stale = directory / f"{head}.faiss"
+        compressed = getattr(array, "codec", None)
+        if compressed is not None:  # the centroid files hold the vectors themselves: keep them as they are
+            if kind == "plaid":
+                raise ValueError(f"{directory}: head {head!r} is stored compressed only; new centroids would need "
+                                 "the original vectors: build the index again (build_index(..., overwrite=True))")
+            codecs[head] = compressed.settings()
+        elif kind != "plaid":
+            for path in _plaid_paths(directory, head).values():
+                path.unlink(missing_ok=True)
         if kind == "flat":
             stale.unlink(missing_ok=True)
             continue
         started = time.perf_counter()
-        index = build_faiss_index(array, kind, resolved, use_gpu=use_gpu)
-        if _is_gpu_index(index):
-            index = faiss.index_gpu_to_cpu(index)
-        _write_faiss_atomic(index, directory / f"{head}.faiss")
+        if kind == "plaid":
+            stale.unlink(missing_ok=True)
+            codec = _build_plaid_files(directory, head, array, resolved)
+            if codec is not None:
+                codecs[head] = codec.settings()
+        else:
+            index = build_faiss_index(array, kind, resolved, use_gpu=use_gpu)
+            if _is_gpu_index(index):
+                index = faiss.index_gpu_to_cpu(index)
+            _write_faiss_atomic(index, directory / f"{head}.faiss")
         if progress:
             logger.info("faiss %s index of head %s: %.1f s", kind, head, time.perf_counter() - started)
-    return {"kind": kind, "params": resolved, "factory": _factory_string(kind, resolved),
-            "metric": "inner_product", "stored": kind != "flat"}
+    settings = {"kind": kind, "params": resolved, "factory": _factory_string(kind, resolved),
+                "metric": "inner_product", "stored": kind != "flat"}
+    if codecs:
+        settings["codecs"] = codecs
+    return settings
+
+
+def _build_plaid_files(directory: Path, head: str, embeddings: Any, params: dict[str, Any]) -> Any:
+    """Centroids, codes and inverted file of one head (and residual codes when asked); returns the codec or None.
+
+    Every file is written under a temporary name, then renamed. With ``keep_embeddings=False`` the fp16 file
+    is removed last, once the compressed vectors are in place.
+    """
+    from hil.retrieval.codec import fit_residual_codec
+    from hil.retrieval.plaid import assign_codes, build_ivf, code_dtype, sample_rows, train_centroids
+
+    n_tokens, dim = embeddings.shape
+    paths = _plaid_paths(directory, head)
+    centroids = train_centroids(embeddings, params["n_centroids"], train_size=params["train_size"],
+                                niter=params["niter"], seed=params["seed"])
+    codes_tmp = _tmp_name(paths["codes"])
+    codes = np.lib.format.open_memmap(codes_tmp, mode="w+", dtype=code_dtype(len(centroids)), shape=(n_tokens,))
+    assign_codes(embeddings, centroids, out=codes)
+    codes.flush()
+    doc_offsets = np.load(directory / DOC_OFFSETS_NPY)
+    ivf_offsets, ivf_docs = build_ivf(np.asarray(codes), doc_offsets, len(centroids))
+    codec = None
+    if params["residual_bits"]:
+        rows = sample_rows(n_tokens, min(n_tokens, 1 << 16), params["seed"] + 1)
+        codec = fit_residual_codec(np.asarray(embeddings[rows], dtype=np.float32), np.asarray(codes[rows]),
+                                   centroids, params["residual_bits"])
+        residual_tmp = _tmp_name(paths["residuals"])
+        packed = np.lib.format.open_memmap(residual_tmp, mode="w+", dtype=np.uint8,
+                                           shape=(n_tokens, codec.packed_bytes))
+        codec.compress_into(embeddings, codes, packed)
+        packed.flush()
+        del packed
+        os.replace(residual_tmp, paths["residuals"])
+    else:
+        paths["residuals"].unlink(missing_ok=True)
+    del codes
+    os.replace(codes_tmp, paths["codes"])
+    save_npy_atomic(paths["centroids"], centroids)
+    save_npy_atomic(paths["ivf_offsets"], ivf_offsets)
+    save_npy_atomic(paths["ivf_docs"], ivf_docs)
+    if not params["keep_embeddings"]:
+        (directory / f"{head}.embeddings.npy").unlink(missing_ok=True)
+    return codec
 
 
 def rebuild_faiss(index: TokenIndex, faiss_kind: str, faiss_params: dict[str, Any] | None = None, *,
@@ -485,7 +654,8 @@ def rebuild_faiss(index: TokenIndex, faiss_kind: str, faiss_params: dict[str, An
     settings = _build_faiss_files(index.directory, index.embeddings, faiss_kind, faiss_params, use_gpu, progress)
     meta = dict(index.meta, faiss=settings)
     write_json_atomic(index.directory / INDEX_JSON, meta)
-    return TokenIndex.load(index.directory, mmap=isinstance(next(iter(index.embeddings.values())), np.memmap))
+    first = next(iter(index.embeddings.values()))
+    return TokenIndex.load(index.directory, mmap=isinstance(first, np.memmap) or getattr(first, "codec", None) is not None)
 
 
 # -- building ---------------------------------------------------------------------------------------------------
@@ -659,10 +829,16 @@ def open_or_build_index(encoder: Any, doc_ids: Sequence[str], texts: Sequence[st
             stored = index.faiss_settings
             wanted = {head: resolve_faiss_params(faiss_kind, faiss_params, index.n_tokens, dim)
                       for head, dim in index.dims.items()}
-            stored_params = {k: v for k, v in stored["params"].items() if k != "nprobe"}
+            stored_params = {k: v for k, v in stored["params"].items() if k not in SEARCH_TIME_PARAMS}
             if stored["kind"] == faiss_kind and all(
-                    {k: v for k, v in params.items() if k != "nprobe"} == stored_params for params in wanted.values()):
+                    {k: v for k, v in params.items() if k not in SEARCH_TIME_PARAMS} == stored_params
+                    for params in wanted.values()):
                 return index
+            if index.compressed_only:  # no fp16 vectors to build other structures from: encode again
+                logger.info("%s: compressed-only index with other settings: rebuilding it", directory)
+                return build_index(encoder, doc_ids, texts, directory, faiss_kind=faiss_kind,
+                                   faiss_params=faiss_params, corpus_fingerprint=corpus_fp, use_gpu=use_gpu,
+                                   overwrite=True, **build_kwargs)
             logger.info("%s: FAISS settings differ (%s -> %s): rebuilding the FAISS part only", directory,
                         stored["kind"], faiss_kind)
             return rebuild_faiss(index, faiss_kind, faiss_params, use_gpu=use_gpu,

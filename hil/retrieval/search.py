@@ -69,8 +69,15 @@ def gather_documents(store: TokenStore, doc_indices: Sequence[int] | np.ndarray,
         picked = table.index_select(0, rows_t).view(n, width, *table.shape[1:]).to(device).to(dtype)
         return picked.masked_fill_(padding.view(n, width, *([1] * (table.dim() - 1))), 0)
 
-    encoded = {head: read(store.torch_view(head), torch.float32)
-               for head in (heads if heads is not None else store.head_names)}
+    def read_vectors(head: str) -> torch.Tensor:  # -> (C, Lmax, D) float32
+        array = store.embeddings[head]
+        if getattr(array, "codec", None) is None or rows_t is None:
+            return read(store.torch_view(head), torch.float32)
+        # A compressed-only index (hil.retrieval.codec): decompress exactly the rows read.
+        picked = array.rows_torch(rows_t).view(n, width, -1).to(device)
+        return picked.masked_fill_(padding.view(n, width, 1), 0)
+
+    encoded = {head: read_vectors(head) for head in (heads if heads is not None else store.head_names)}
     return EncodedBatch(encoded, ~padding, read(store.torch_view("token_ids"), torch.long))
 
 
@@ -171,23 +178,53 @@ def _candidates_from_head(faiss_index: Any, vectors: np.ndarray, token_rows: np.
     return np.unique(keys), row_keys, best
 
 
+def _plaid_candidates(index: Any, heads: tuple[str, ...], encoded: EncodedBatch, row: int, nprobe: int,
+                      ndocs: int, stage2_docs: int) -> tuple[np.ndarray, np.ndarray]:
+    """Centroid pruning of one query (``hil.retrieval.plaid``): each head keeps its ``ndocs`` best documents by
+    centroid interaction; the union goes to exact scoring. -> (docs ascending (U,), flags (U, H) bool)."""
+    from hil.retrieval.plaid import plaid_candidates
+
+    mask = encoded.mask[row].bool()
+    per_head = []
+    for head in heads:
+        vectors = encoded.heads[head][row][mask].float().cpu()  # (Lq', D) scored query tokens
+        docs, _, _ = plaid_candidates(index.plan(head), vectors, nprobe=nprobe, ndocs=ndocs, stage2_docs=stage2_docs)
+        per_head.append(docs)
+    union = np.unique(np.concatenate(per_head)) if per_head else np.zeros(0, dtype=np.int64)
+    flags = np.stack([np.isin(union, docs, assume_unique=True) for docs in per_head], axis=1)
+    return union, flags
+
+
 def full_rank(encoder: Any, index: Any, queries: dict[str, str], *, k: int = 1000, ncandidates: int = 256,
               batch_size: int = 64, max_candidates: int | None = None, nprobe: int | None = None,
               use_gpu: bool = False, block_tokens: int = 1 << 14, keep_candidate_sources: bool = False,
-              progress: bool = True) -> SearchResult:
+              progress: bool = True, stage2_docs: int | None = None) -> SearchResult:
     """End-to-end retrieval: per query token ``ncandidates`` ANN hits per head -> candidate documents (union over
     tokens and heads) -> exact ``encoder.score`` -> top ``k``.
 
     ``max_candidates`` caps the candidates per query, keeping those with the best approximate score (the sum over
     heads and query tokens of each token's best retrieved similarity in the document: a ColBERT-style lower bound
     of MaxSim, a choice of ours); None keeps all. ``nprobe`` overrides the IVF setting stored in the index.
+
+    A ``plaid`` index (centroid pruning, :mod:`hil.retrieval.plaid`) replaces the token ANN search: each query
+    token probes ``nprobe`` centroids, ``stage2_docs`` documents survive the probed-cells bound, and each head keeps
+    its ``max_candidates`` best documents by centroid interaction (defaults: the index's ``nprobe``,
+    ``stage2_docs`` and ``ndocs``); the union over heads is scored exactly. ``ncandidates`` does not apply there.
     """
     if k < 1 or ncandidates < 1 or batch_size < 1:
         raise ValueError(f"k, ncandidates and batch_size must be >= 1 (got {k}, {ncandidates}, {batch_size})")
     _check_heads(encoder, index)
     qids, texts = _query_items(queries)
     heads = tuple(encoder.head_names)
-    faiss_indexes = {head: index.faiss_index(head, use_gpu=use_gpu, nprobe=nprobe) for head in heads}
+    kind = index.faiss_settings["kind"]
+    if kind == "plaid":
+        stored = index.faiss_settings["params"]
+        plaid = {"nprobe": int(nprobe or stored["nprobe"]), "ndocs": int(max_candidates or stored["ndocs"]),
+                 "stage2_docs": int(stage2_docs or stored["stage2_docs"])}
+        faiss_indexes = {}
+    else:
+        plaid = None
+        faiss_indexes = {head: index.faiss_index(head, use_gpu=use_gpu, nprobe=nprobe) for head in heads}
     ncandidates = min(ncandidates, max(1, index.n_tokens))
     token_doc, n_docs, id_rank = index.token_doc, index.n_docs, index.doc_id_rank
     combos = [c for r in range(1, len(heads) + 1) for c in combinations(range(len(heads)), r)]
@@ -209,30 +246,22 @@ def full_rank(encoder: Any, index: Any, queries: dict[str, str], *, k: int = 100
             timings["encode_s"] += time.perf_counter() - tick
 
             tick = time.perf_counter()
-            head_keys, approx_keys, approx_values = [], [], []
-            for head in heads:
-                vectors = np.ascontiguousarray(encoded.heads[head][mask].float().cpu().numpy())  # (T, D)
-                keys, row_keys, best = _candidates_from_head(faiss_indexes[head], vectors, token_rows, token_doc,
-                                                             n_docs, ncandidates, max_candidates is not None)
-                head_keys.append(keys)
-                if max_candidates is not None:
-                    approx_keys.append(row_keys)
-                    approx_values.append(best)
-            union = np.unique(np.concatenate(head_keys))  # sorted by (row, doc)
-            flags = np.stack([np.isin(union, keys, assume_unique=True) for keys in head_keys], axis=1)  # (U, H)
-            approx = None
-            if max_candidates is not None:
-                all_keys = np.concatenate(approx_keys)
-                inverse = np.searchsorted(union, all_keys)  # every approx key is in the union
-                approx = np.bincount(inverse, weights=np.concatenate(approx_values), minlength=len(union))
-            bounds = np.searchsorted(union // n_docs, np.arange(len(batch_qids) + 1))
+            if plaid is not None:
+                pruned = [_plaid_candidates(index, heads, encoded, row, **plaid) for row in range(len(batch_qids))]
+            else:
+                union, flags, approx, bounds = _faiss_candidates(faiss_indexes, heads, encoded, mask, token_rows,
+                                                                 token_doc, n_docs, ncandidates, max_candidates,
+                                                                 len(batch_qids))
             timings["ann_s"] += time.perf_counter() - tick
 
             tick = time.perf_counter()
             for row, qid in enumerate(batch_qids):
-                lo, hi = bounds[row], bounds[row + 1]
-                docs, doc_flags = union[lo:hi] % n_docs, flags[lo:hi]
-                if max_candidates is not None and len(docs) > max_candidates:
+                if plaid is not None:
+                    docs, doc_flags = pruned[row]
+                else:
+                    lo, hi = bounds[row], bounds[row + 1]
+                    docs, doc_flags = union[lo:hi] % n_docs, flags[lo:hi]
+                if plaid is None and max_candidates is not None and len(docs) > max_candidates:
                     keep = np.lexsort((docs, -approx[lo:hi]))[:max_candidates]
                     keep.sort()
                     docs, doc_flags = docs[keep], doc_flags[keep]
@@ -252,12 +281,38 @@ def full_rank(encoder: Any, index: Any, queries: dict[str, str], *, k: int = 100
     total = time.perf_counter() - started
     n_queries = max(1, len(qids))
     stats = {"n_queries": len(qids), "k": k, "ncandidates": ncandidates, "max_candidates": max_candidates,
-             "faiss_kind": index.faiss_settings["kind"], "nprobe": nprobe,
+             "faiss_kind": kind, "nprobe": nprobe, **({"plaid": plaid} if plaid is not None else {}),
              "candidates_mean": float(np.mean(counts)) if counts else 0.0,
              "candidates_min": int(min(counts, default=0)), "candidates_max": int(max(counts, default=0)),
              "candidate_sources": source_counts, **timings, "total_s": total,
              "ms_per_query": 1000.0 * total / n_queries}
     return SearchResult(run, sources, stats)
+
+
+def _faiss_candidates(faiss_indexes: dict[str, Any], heads: tuple[str, ...], encoded: EncodedBatch,
+                      mask: torch.Tensor, token_rows: np.ndarray, token_doc: np.ndarray, n_docs: int,
+                      ncandidates: int, max_candidates: int | None, n_rows: int
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray]:
+    """ANN search of a batch's query tokens in every head -> (union keys ``row * n_docs + doc`` sorted, flags
+    (U, H), approximate scores (U,) or None, per-row bounds into the union (n_rows + 1,))."""
+    head_keys, approx_keys, approx_values = [], [], []
+    for head in heads:
+        vectors = np.ascontiguousarray(encoded.heads[head][mask].float().cpu().numpy())  # (T, D)
+        keys, row_keys, best = _candidates_from_head(faiss_indexes[head], vectors, token_rows, token_doc,
+                                                     n_docs, ncandidates, max_candidates is not None)
+        head_keys.append(keys)
+        if max_candidates is not None:
+            approx_keys.append(row_keys)
+            approx_values.append(best)
+    union = np.unique(np.concatenate(head_keys))  # sorted by (row, doc)
+    flags = np.stack([np.isin(union, keys, assume_unique=True) for keys in head_keys], axis=1)  # (U, H)
+    approx = None
+    if max_candidates is not None:
+        all_keys = np.concatenate(approx_keys)
+        inverse = np.searchsorted(union, all_keys)  # every approx key is in the union
+        approx = np.bincount(inverse, weights=np.concatenate(approx_values), minlength=len(union))
+    bounds = np.searchsorted(union // n_docs, np.arange(n_rows + 1))
+    return union, flags, approx, bounds
 
 
 def _combo_counts(flags: np.ndarray, combos: list[tuple[int, ...]]) -> list[int]:
