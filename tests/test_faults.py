@@ -81,10 +81,10 @@ def restore_determinism():
 
 # -- SIGKILL mid-epoch, resume, compare with an uninterrupted run ---------------------------------------------------
 def cli_args(root: Path, records: Path, *extra: str) -> list[str]:
-    # 48 triples / batch 8 = 6 batches an epoch; 8 steps cross into epoch 1. Checkpoints every 2 steps (smoke).
+    # smoke: 32 triples / batch 8 = 4 batches an epoch, checkpoints every 2 steps; 6 steps cross into epoch 1.
     return ["fit", "--config", str(REPO / "configs/colbert.yaml"), "--config", str(REPO / "configs/presets/smoke.yaml"),
             "--trainer.default_root_dir", str(root), "--trainer.logger", "false", "--trainer.deterministic", "true",
-            "--data.max_triples", "48", "--trainer.max_steps", "8",
+            "--trainer.max_steps", "6",
             "--trainer.callbacks+=test_faults.RecordBatches", f"--trainer.callbacks.out_dir={records}", *extra]
 
 
@@ -119,7 +119,7 @@ def test_sigkill_mid_epoch_then_resume_equals_uninterrupted_run(shared_dir, tmp_
     env.setdefault("HF_HUB_OFFLINE", "1")
     process = subprocess.Popen(
         [sys.executable, str(REPO / "train.py"),
-         *cli_args(killed_root, killed_records, "--trainer.callbacks.pause_at_step=4")],
+         *cli_args(killed_root, killed_records, "--trainer.callbacks.pause_at_step=2")],
         cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         # meanwhile, the uninterrupted reference run in this process
@@ -129,7 +129,7 @@ def test_sigkill_mid_epoch_then_resume_equals_uninterrupted_run(shared_dir, tmp_
         deadline = time.monotonic() + 300
         while not (killed_records / "paused").exists():
             assert process.poll() is None, f"training exited early: {process.stderr.read()[-2000:]}"
-            assert time.monotonic() < deadline, "training never reached step 4"
+            assert time.monotonic() < deadline, "training never reached step 2"
             time.sleep(0.2)
         process.send_signal(signal.SIGKILL)
         assert process.wait(timeout=60) == -signal.SIGKILL
@@ -139,42 +139,42 @@ def test_sigkill_mid_epoch_then_resume_equals_uninterrupted_run(shared_dir, tmp_
             process.wait()
 
     killed_checkpoints = killed_root / "checkpoints"
-    assert sorted(p.name for p in killed_checkpoints.iterdir()) == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt",
-                                                                   "last.ckpt"]
+    assert sorted(p.name for p in killed_checkpoints.iterdir()) == ["epoch=0-step=2.ckpt", "last.ckpt"]
     last = load(killed_checkpoints / "last.ckpt")
-    assert last["global_step"] == 4
-    # the loader's position: 4 batches of 8 of epoch 0 consumed (the 5th, already fetched when killed, is not)
+    assert last["global_step"] == 2
+    # the loader's position: 2 batches of 8 of epoch 0 consumed (the 3rd, already fetched when killed, is not)
     assert last["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [
-        {"epoch": 0, "consumed": 32, "world_size": 1, "batch_size": 8}]
-    # the crashed process computed exactly what the reference computed up to step 4
-    reference_step4 = load(reference_root / "checkpoints" / "epoch=0-step=4.ckpt")
-    assert_same_tensors(last["state_dict"], reference_step4["state_dict"], "weights at step 4")
+        {"epoch": 0, "consumed": 16, "world_size": 1, "batch_size": 8}]
+    # the crashed process computed exactly what the reference computed up to step 2
+    reference_step2 = load(reference_root / "checkpoints" / "epoch=0-step=2.ckpt")
+    assert_same_tensors(last["state_dict"], reference_step2["state_dict"], "weights at step 2")
 
     resumed_root, resumed_records = tmp_path / "resumed", tmp_path / "resumed_records"
     cli = train_main(cli_args(resumed_root, resumed_records, "--ckpt_path", str(killed_checkpoints / "last.ckpt")))
-    assert cli.trainer.global_step == 8
+    assert cli.trainer.global_step == 6
 
     reference, killed, resumed = (read_records(d) for d in (reference_records, killed_records, resumed_records))
-    assert [r["step"] for r in reference] == list(range(1, 9))
-    assert [r["step"] for r in killed] == [1, 2, 3, 4]
-    assert [r["step"] for r in resumed] == [5, 6, 7, 8], "the global step does not continue from the checkpoint"
+    assert [r["step"] for r in reference] == list(range(1, 7))
+    assert [r["step"] for r in killed] == [1, 2]
+    assert [r["step"] for r in resumed] == [3, 4, 5, 6], "the global step does not continue from the checkpoint"
     # the data position continues: the batches after the crash are the ones the uninterrupted run saw
-    # (steps 5-6 finish epoch 0, steps 7-8 start epoch 1's permutation), with the same batch indices
-    for ref, res in zip(reference[4:], resumed):
+    # (steps 3-4 finish epoch 0, steps 5-6 start epoch 1's permutation), with the same batch indices
+    assert [(r["epoch"], r["batch_idx"]) for r in resumed] == [(0, 2), (0, 3), (1, 0), (1, 1)]
+    for ref, res in zip(reference[2:], resumed):
         assert (res["epoch"], res["batch_idx"]) == (ref["epoch"], ref["batch_idx"])
         assert res["triples"] == ref["triples"], f"step {res['step']} trained on other triples"
         assert res["params"] == ref["params"], f"weights differ after step {res['step']}"
-    assert [r["triples"] for r in killed] == [r["triples"] for r in reference[:4]]
+    assert [r["triples"] for r in killed] == [r["triples"] for r in reference[:2]]
 
     final_reference = load(reference_root / "checkpoints" / "last.ckpt")
     final_resumed = load(resumed_root / "checkpoints" / "last.ckpt")
-    assert final_resumed["global_step"] == final_reference["global_step"] == 8
+    assert final_resumed["global_step"] == final_reference["global_step"] == 6
     assert_same_tensors(final_resumed["state_dict"], final_reference["state_dict"], "final weights")
     assert_same_tensors(final_resumed["optimizer_states"], final_reference["optimizer_states"], "optimizer")
     assert_same_tensors(final_resumed["lr_schedulers"], final_reference["lr_schedulers"], "lr scheduler")
     adam_steps = {int(s["step"]) for s in final_resumed["optimizer_states"][0]["state"].values()}
-    assert adam_steps == {8}
-    assert final_resumed["lr_schedulers"][0]["last_epoch"] == 8
+    assert adam_steps == {6}
+    assert final_resumed["lr_schedulers"][0]["last_epoch"] == 6
     assert (final_resumed["loops"]["fit_loop"]["state_dict"]["combined_loader"]
             == final_reference["loops"]["fit_loop"]["state_dict"]["combined_loader"]
             == [{"epoch": 1, "consumed": 16, "world_size": 1, "batch_size": 8}])

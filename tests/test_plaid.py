@@ -116,10 +116,6 @@ def test_cell_scores_match_loops(n_docs, n_centroids, lq, nprobe, seed):
             reference[d] = reference.get(d, 0.0) + value
     assert docs.tolist() == sorted(reference)
     np.testing.assert_allclose(bound, [reference[d] for d in docs.tolist()], atol=1e-5)
-    # A lower bound of the centroid interaction over the same documents... only when each token reached the doc;
-    # never above it in any case, since the probed cells are a subset of the document's cells.
-    full = centroid_interaction(plan, scores, docs)
-    assert (bound <= full + 1e-5).all() or (full < 0).any()
 
 
 def test_plaid_candidates_with_every_cell_equal_exhaustive_centroid_ranking():
@@ -167,9 +163,17 @@ def test_codec_roundtrip_matches_reference(nbits):
     expected = centroids[codes] + codec.weights[buckets]
     expected /= np.linalg.norm(expected, axis=1, keepdims=True)
     np.testing.assert_allclose(codec.decompress(codes, packed), expected, atol=1e-5)
-    # More bits, closer vectors.
-    error = np.abs(codec.decompress(codes, packed) - vectors).max()
-    assert error < {1: 1.0, 2: 0.6, 4: 0.2, 8: 0.02}[nbits]
+
+
+def test_more_bits_give_closer_vectors():
+    vectors, centroids = unit(400, 16, 5), unit(5, 16, 6)
+    codes = assign_codes(vectors, centroids)
+    cosines = []
+    for nbits in (1, 2, 4, 8):
+        codec = fit_residual_codec(vectors, codes, centroids, nbits)
+        restored = codec.decompress(codes, codec.compress(vectors, codes))
+        cosines.append(float((restored * vectors).sum(axis=1).mean()))
+    assert cosines == sorted(cosines) and cosines[-1] > 0.999, cosines
 
 
 def test_codec_rejects_bad_bits():

@@ -1,0 +1,197 @@
+"""Full ranking over a ``plaid`` index (centroid pruning, optional residual compression) against exact ranking.
+
+A random 1-layer BERT with the shared uncased tokenizer and a toy corpus of 60 short texts, as in test_search.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hil.modeling.encoder import ColBERTEncoder
+from hil.modeling.scoring import late_interaction_matrix
+from hil.retrieval.index import TokenIndex, build_index, eval_mode, open_or_build_index
+from hil.retrieval.plaid import centroid_interaction, top_by_score
+from hil.retrieval.search import exact_rank, full_rank, gather_documents
+
+WORDS = ("cell protein gene tumor vaccine virus dose trial mouse brain heart blood lung risk insulin "
+         "signal receptor growth therapy patient model effect rate level study").split()
+QUERIES = {"q1": "protein gene therapy", "q2": "tumor growth in the mouse brain", "q3": "vaccine dose trial",
+           "q4": "heart and lung risk", "q5": "what is a cell?"}
+
+
+def toy_corpus(n: int = 60, seed: int = 0) -> tuple[list[str], list[str]]:
+    rng = np.random.default_rng(seed)
+    texts = []
+    for i in range(n):
+        words = list(rng.choice(WORDS, size=int(rng.integers(1, 15))))
+        words.insert(int(rng.integers(0, len(words) + 1)), f"{i}")
+        texts.append(" ".join(words) + ("." if i % 3 == 0 else ""))
+    return [f"d{(7 * i) % n:03d}" for i in range(n)], texts
+
+
+class TwoHeadEncoder(ColBERTEncoder):
+    architecture = "two-head-test"
+    head_names = ("a", "b")
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.linear_b = nn.Linear(self.hidden_size, self.dim, bias=False)
+
+    def embed(self, batch, is_query):
+        hidden = self.hidden_states(batch)
+        return {"a": F.normalize(self.linear(hidden), dim=-1), "b": F.normalize(self.linear_b(hidden), dim=-1)}
+
+    def score(self, queries, docs):
+        return sum(late_interaction_matrix(queries.heads[h].float(), docs.heads[h].float(), queries.mask, docs.mask)
+                   for h in self.head_names)
+
+
+def make_encoder(hf_tokenizer, cls=ColBERTEncoder, seed: int = 0):
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(seed)
+    config = BertConfig(vocab_size=hf_tokenizer.vocab_size, hidden_size=32, num_hidden_layers=1,
+                        num_attention_heads=2, intermediate_size=64, max_position_embeddings=128)
+    model = BertModel(config, add_pooling_layer=False)
+    return cls("random-bert", dim=16, query_maxlen=12, doc_maxlen=24, _loaded=(model, hf_tokenizer)).eval()
+
+
+PLAID = {"n_centroids": 16, "niter": 5, "seed": 0}
+
+
+@pytest.fixture(scope="module")
+def setup(hf_tokenizer, tmp_path_factory):
+    encoder = make_encoder(hf_tokenizer)
+    ids, texts = toy_corpus()
+    root = tmp_path_factory.mktemp("plaid")
+    flat = build_index(encoder, ids, texts, root / "flat", progress=False)
+    plaid = build_index(encoder, ids, texts, root / "plaid", faiss_kind="plaid", faiss_params=PLAID, progress=False)
+    return encoder, flat, plaid, ids, texts, root
+
+
+def test_plaid_with_every_cell_and_document_equals_exact(setup):
+    encoder, flat, plaid, *_ = setup
+    exact = exact_rank(encoder, flat, QUERIES, k=20, progress=False)
+    result = full_rank(encoder, plaid, QUERIES, k=20, nprobe=16, max_candidates=plaid.n_docs,
+                       stage2_docs=plaid.n_docs, progress=False)
+    assert result.stats["faiss_kind"] == "plaid"
+    assert result.stats["plaid"] == {"nprobe": 16, "ndocs": plaid.n_docs, "stage2_docs": plaid.n_docs}
+    for qid in QUERIES:
+        assert list(result.run[qid]) == list(exact.run[qid]), qid
+        np.testing.assert_allclose(list(result.run[qid].values()), list(exact.run[qid].values()), atol=1e-5)
+
+
+def test_plaid_keeps_the_best_centroid_interaction_documents_and_scores_them_exactly(setup):
+    encoder, flat, plaid, *_ = setup
+    exact = exact_rank(encoder, flat, QUERIES, k=flat.n_docs, progress=False)
+    ndocs = 6
+    result = full_rank(encoder, plaid, QUERIES, k=100, nprobe=16, max_candidates=ndocs, stage2_docs=plaid.n_docs,
+                       keep_candidate_sources=True, progress=False)
+    plan = plaid.plan("colbert")
+    for qid, text in QUERIES.items():
+        with eval_mode(encoder):
+            query = encoder.encode_queries([text])
+        vectors = query.heads["colbert"][0][query.mask[0]].float()
+        scores = vectors @ torch.from_numpy(plan.centroids).T
+        present = np.flatnonzero(plaid.doc_lengths > 0)
+        expected, _ = top_by_score(present, centroid_interaction(plan, scores, present), ndocs)
+        assert set(result.sources[qid]) == {plaid.doc_ids[d] for d in expected}, qid
+        assert len(result.run[qid]) == ndocs
+        for doc, score in result.run[qid].items():  # exact scores of the kept documents
+            assert score == pytest.approx(exact.run[qid][doc], abs=1e-5)
+
+
+def test_plaid_files_and_reuse(setup, hf_tokenizer):
+    encoder, _, plaid, ids, texts, root = setup
+    for name in ("centroids", "codes", "ivf_offsets", "ivf_docs"):
+        assert (plaid.directory / f"colbert.{name}.npy").is_file()
+    assert not (plaid.directory / "colbert.residuals.npy").exists()
+    assert plaid.faiss_settings["params"]["n_centroids"] == 16
+    assert plaid.bytes_per_token() == 2 * encoder.dim  # the fp16 vectors are kept
+    with pytest.raises(ValueError, match="plaid"):
+        plaid.faiss_index("colbert")
+    # search-time settings never trigger a rebuild
+    again = open_or_build_index(encoder, ids, texts, plaid.directory, faiss_kind="plaid",
+                                faiss_params={**PLAID, "nprobe": 2, "ndocs": 5}, progress=False)
+    assert (plaid.directory / "colbert.codes.npy").stat().st_mtime_ns == \
+        (again.directory / "colbert.codes.npy").stat().st_mtime_ns
+
+
+def test_bad_plaid_params_are_refused(setup):
+    encoder, _, _, ids, texts, root = setup
+    with pytest.raises(ValueError, match="keep_embeddings"):
+        build_index(encoder, ids, texts, root / "bad1", faiss_kind="plaid", faiss_params={"keep_embeddings": False},
+                    progress=False)
+    with pytest.raises(ValueError, match="residual_bits"):
+        build_index(encoder, ids, texts, root / "bad2", faiss_kind="plaid", faiss_params={"residual_bits": 3},
+                    progress=False)
+    with pytest.raises(ValueError, match="do not apply"):
+        build_index(encoder, ids, texts, root / "bad3", faiss_kind="plaid", faiss_params={"nlist": 3},
+                    progress=False)
+
+
+def test_compressed_only_index_scores_decompressed_vectors(setup):
+    encoder, flat, _, ids, texts, root = setup
+    params = {**PLAID, "residual_bits": 2, "keep_embeddings": False}
+    small = build_index(encoder, ids, texts, root / "compressed", faiss_kind="plaid", faiss_params=params,
+                        progress=False)
+    assert not (small.directory / "colbert.embeddings.npy").exists()
+    assert small.compressed_only
+    assert small.bytes_per_token() == 2 + 16 * 2 // 8  # uint16 centroid id + 2 bits x 16 dims
+    reopened = TokenIndex.load(small.directory)
+    stored = reopened.embeddings["colbert"]
+    assert stored.shape == (flat.n_tokens, encoder.dim)
+    restored = np.asarray(stored)
+    original = np.asarray(flat.embeddings["colbert"], dtype=np.float32)
+    cosine = (restored * original).sum(axis=1)
+    assert cosine.mean() > 0.85, "2-bit residuals stay close to the original vectors"
+    # gather_documents decompresses exactly the rows read
+    rows = [4, 0, 9]
+    batch = gather_documents(reopened, rows)
+    for b, i in enumerate(rows):
+        lo, hi = reopened.doc_offsets[i], reopened.doc_offsets[i + 1]
+        np.testing.assert_allclose(batch.heads["colbert"][b, : hi - lo].numpy(), restored[lo:hi], atol=1e-6)
+    # full ranking over every document = exact ranking over the decompressed vectors
+    everything = full_rank(encoder, reopened, QUERIES, k=10, nprobe=16, max_candidates=flat.n_docs,
+                           stage2_docs=flat.n_docs, progress=False)
+    reference = exact_rank(encoder, reopened, QUERIES, k=10, progress=False)
+    for qid in QUERIES:
+        assert list(everything.run[qid]) == list(reference.run[qid])
+    # another FAISS kind over a compressed-only index keeps the compressed vectors readable
+    with pytest.raises(ValueError, match="compressed only"):
+        from hil.retrieval.index import rebuild_faiss
+
+        rebuild_faiss(reopened, "plaid", PLAID, progress=False)
+
+
+def test_two_heads_union_of_per_head_candidates(hf_tokenizer, tmp_path):
+    encoder = make_encoder(hf_tokenizer, TwoHeadEncoder, seed=1)
+    ids, texts = toy_corpus()
+    flat = build_index(encoder, ids, texts, tmp_path / "flat", progress=False)
+    plaid = build_index(encoder, ids, texts, tmp_path / "plaid", faiss_kind="plaid", faiss_params=PLAID,
+                        progress=False)
+    exact = exact_rank(encoder, flat, QUERIES, k=flat.n_docs, progress=False)
+    ndocs = 4
+    result = full_rank(encoder, plaid, QUERIES, k=100, nprobe=16, max_candidates=ndocs, stage2_docs=60,
+                       keep_candidate_sources=True, progress=False)
+    only_one = 0
+    for qid, text in QUERIES.items():
+        with eval_mode(encoder):
+            query = encoder.encode_queries([text])
+        expected = {}
+        for head in ("a", "b"):
+            plan = plaid.plan(head)
+            scores = query.heads[head][0][query.mask[0]].float() @ torch.from_numpy(plan.centroids).T
+            present = np.flatnonzero(plaid.doc_lengths > 0)
+            top, _ = top_by_score(present, centroid_interaction(plan, scores, present), ndocs)
+            for d in top.tolist():
+                expected.setdefault(plaid.doc_ids[d], []).append(head)
+        assert result.sources[qid] == {d: tuple(h) for d, h in expected.items()}, qid
+        only_one += sum(len(h) == 1 for h in expected.values())
+        for doc, score in result.run[qid].items():  # the combined exact score
+            assert score == pytest.approx(exact.run[qid][doc], abs=1e-5)
+    assert only_one > 0, "the heads keep different documents, so the union matters"
