@@ -115,9 +115,11 @@ def plot_overlap(overlaps: Mapping[str, Mapping[str, Any]], path: str | Path,
         d = _circle_distance(r_a, r_b, area_both)  # circle areas = shares, lens area = shared share
         ax.add_patch(Circle((-d / 2, 0), r_a, color=ISOTROPY_COLOR, alpha=0.45))
         ax.add_patch(Circle((d / 2, 0), r_b, color=ANISOTROPY_COLOR, alpha=0.45))
-        ax.text(-d / 2 - r_a / 2, 0, f"{only_a}\n{100 * only_a / total:.1f}%", ha="center", va="center", fontsize=8)
-        ax.text(d / 2 + r_b / 2, 0, f"{only_b}\n{100 * only_b / total:.1f}%", ha="center", va="center", fontsize=8)
-        ax.text(0, 0, f"{both}\n{100 * both / total:.1f}%", ha="center", va="center", fontsize=8)
+        # each count in the middle of its region along the axis through both centres
+        a_left, a_right, b_left, b_right = -d / 2 - r_a, -d / 2 + r_a, d / 2 - r_b, d / 2 + r_b
+        for x, n in (((a_left + min(b_left, a_right)) / 2, only_a), ((max(a_right, b_left) + b_right) / 2, only_b),
+                     ((max(a_left, b_left) + min(a_right, b_right)) / 2, both)):
+            ax.text(x, 0, f"{n}\n{100 * n / total:.1f}%", ha="center", va="center", fontsize=8)
         ax.text(-d / 2, r_a + 0.03, a, ha="center", va="bottom", fontsize=10)
         ax.text(d / 2, r_b + 0.03, b, ha="center", va="bottom", fontsize=10)
         extent = max(r_a, r_b) + d / 2 + 0.1

@@ -311,7 +311,8 @@ def resolve_plaid_params(params: dict[str, Any], n_tokens: int, dim: int) -> dic
     """Complete the settings of a ``plaid`` index (centroid pruning, :mod:`hil.retrieval.plaid`).
 
     Stored structure: ``n_centroids`` (default ColBERTv2's ``2**floor(log2(16 sqrt(n_tokens)))``), k-means on
-    ``train_size`` sampled tokens (default ``min(n_tokens, 64 n_centroids)``) for ``niter`` iterations (default 10),
+    ``train_size`` sampled tokens (default ``min(n_tokens, 32 n_centroids)``) for ``niter`` iterations (default 4,
+    ColBERTv2's),
     ``seed``; ``residual_bits`` (0 = none; 1, 2, 4 or 8) adds ColBERTv2 residual codes, and ``keep_embeddings=False``
     (only with residuals) then drops the fp16 vectors: search scores decompressed vectors.
     Search-time defaults: ``nprobe`` centroids per query token, ``stage2_docs`` documents kept by the probed-cells
@@ -325,8 +326,8 @@ def resolve_plaid_params(params: dict[str, Any], n_tokens: int, dim: int) -> dic
         raise ValueError(f"plaid: n_centroids={n_centroids} must lie in 1..n_tokens={n_tokens}")
     resolved: dict[str, Any] = {
         "n_centroids": n_centroids,
-        "train_size": min(n_tokens, int(params.get("train_size") or 64 * n_centroids)),
-        "niter": int(params.get("niter", 10)), "seed": int(params.get("seed", 0)),
+        "train_size": min(n_tokens, int(params.get("train_size") or 32 * n_centroids)),
+        "niter": int(params.get("niter", 4)), "seed": int(params.get("seed", 0)),
         "nprobe": int(params.get("nprobe", 8)), "ndocs": int(params.get("ndocs", 256)),
         "stage2_docs": int(params.get("stage2_docs", 1024)),
         "residual_bits": int(params.get("residual_bits") or 0),
@@ -701,11 +702,22 @@ def _check_corpus(doc_ids: Sequence[str], texts: Sequence[str]) -> None:
 def build_index(encoder: Any, doc_ids: Sequence[str], texts: Sequence[str], directory: str | os.PathLike, *,
                 batch_size: int = 32, chunk_docs: int = 2048, faiss_kind: str = "flat",
                 faiss_params: dict[str, Any] | None = None, corpus_fingerprint: str | None = None,
-                progress: bool = True, overwrite: bool = False, use_gpu: bool = False) -> TokenIndex:
+                progress: bool = True, overwrite: bool = False, use_gpu: bool = False,
+                quantize: str | None = None, calibration_docs: int = 32) -> TokenIndex:
     """Encode a corpus into a token index at ``directory`` (resumable, finalized atomically; see module docstring).
 
-    ``corpus_fingerprint`` defaults to :func:`fingerprint_corpus` of the ids and texts. At most one chunk of
-    ``chunk_docs`` documents is held in memory while encoding. ``use_gpu`` trains/fills IVF indexes with faiss-gpu.
+    ``corpus_fingerprint`` defaults to :func:`fingerprint_corpus` of the ids and texts. ``use_gpu`` trains/fills
+    IVF indexes with faiss-gpu.
+
+    Memory: at most one chunk of ``chunk_docs`` documents is held while encoding (its fp32 token vectors, about
+    ``chunk_docs * 4 * D * tokens_per_doc`` bytes, plus the model's activations for one ``batch_size`` batch);
+    the chunks are then streamed into the final memmaps, so ``chunk_docs`` is the memory knob for corpora larger
+    than RAM (``bench/README.md`` has measured peak RSS against it).
+
+    ``quantize="int8"`` encodes the documents with a SmoothQuant + dynamic-int8 copy of the encoder
+    (:mod:`hil.retrieval.fast_encode`, calibrated on the first ``calibration_docs`` texts): faster on CPUs with
+    int8 instructions, at some cost in fidelity that ``bench/`` measures; queries keep the fp32 encoder. Recorded
+    in ``index.json`` as ``document_encoding``; None (default) encodes with ``encoder`` itself.
     """
     from tqdm.auto import tqdm
 
@@ -726,6 +738,13 @@ def build_index(encoder: Any, doc_ids: Sequence[str], texts: Sequence[str], dire
     corpus_fp = corpus_fingerprint or fingerprint_corpus(doc_ids, texts)
     encoder_fp = encoder_fingerprint(encoder)
     settings = _json_normalized(encoder.settings())
+    document_encoder, document_encoding = encoder, None
+    if quantize is not None:
+        from hil.retrieval.fast_encode import quantized_document_encoder
+
+        document_encoder = quantized_document_encoder(encoder, quantize,
+                                                      calibration_texts=list(texts[:max(1, calibration_docs)]))
+        document_encoding = document_encoder.document_encoding
 
     build = directory.with_name(directory.name + ".tmp-build")
     chunks = build / CHUNKS_DIR
@@ -738,18 +757,18 @@ def build_index(encoder: Any, doc_ids: Sequence[str], texts: Sequence[str], dire
     starts = list(range(0, n_docs, chunk_docs))
     chunk_metas: list[dict[str, Any]] = []
     bar = tqdm(total=n_docs, unit="doc", desc=f"encoding {directory.name}", disable=not progress)
-    with eval_mode(encoder):
+    with eval_mode(document_encoder):
         for number, start in enumerate(starts):
             end = min(start + chunk_docs, n_docs)
             paths = _chunk_paths(chunks, number, heads)
             expected = {"format_version": INDEX_FORMAT_VERSION, "chunk": number, "doc_start": start, "doc_end": end,
                         "heads": list(heads), "settings": settings, "encoder_fingerprint": encoder_fp,
-                        "corpus_fingerprint": corpus_fp}
+                        "corpus_fingerprint": corpus_fp, "document_encoding": document_encoding}
             meta = _finished_chunk(paths, expected)
             if meta is not None:
                 bar.update(end - start)
             else:
-                encoded = encode_document_tokens(encoder, texts[start:end], batch_size=batch_size,
+                encoded = encode_document_tokens(document_encoder, texts[start:end], batch_size=batch_size,
                                                  progress_bar=bar)
                 for head in heads:
                     save_npy_atomic(paths[f"emb:{head}"], encoded.embeddings[head])
@@ -794,7 +813,8 @@ def build_index(encoder: Any, doc_ids: Sequence[str], texts: Sequence[str], dire
                       n_tokens=n_tokens, heads=list(heads), dims=dims,
                       dim=next(iter(dims.values())) if len(set(dims.values())) == 1 else None,
                       embedding_dtype="float16", faiss=faiss_settings, corpus_fingerprint=corpus_fp,
-                      encoder_fingerprint=encoder_fp)
+                      encoder_fingerprint=encoder_fp,
+                      **({"document_encoding": document_encoding} if document_encoding else {}))
     write_json_atomic(build / INDEX_JSON, meta)
 
     if directory.exists():  # overwrite: swap in the new folder, then drop the old one
@@ -827,6 +847,13 @@ def open_or_build_index(encoder: Any, doc_ids: Sequence[str], texts: Sequence[st
             logger.warning("%s; rebuilding it", error)
         else:
             stored = index.faiss_settings
+            wanted_quantize = build_kwargs.get("quantize")
+            if (index.meta.get("document_encoding") or {}).get("quantize") != wanted_quantize:
+                logger.info("%s: documents were encoded with quantize=%s, %s wanted: rebuilding it", directory,
+                            (index.meta.get("document_encoding") or {}).get("quantize"), wanted_quantize)
+                return build_index(encoder, doc_ids, texts, directory, faiss_kind=faiss_kind,
+                                   faiss_params=faiss_params, corpus_fingerprint=corpus_fp, use_gpu=use_gpu,
+                                   overwrite=True, **build_kwargs)
             wanted = {head: resolve_faiss_params(faiss_kind, faiss_params, index.n_tokens, dim)
                       for head, dim in index.dims.items()}
             stored_params = {k: v for k, v in stored["params"].items() if k not in SEARCH_TIME_PARAMS}
