@@ -21,6 +21,7 @@ Sections (``--sections``, comma-separated; default all):
     search  full-ranking latency p50/p95 per query (batch of one query, query encoding included) and nDCG@10
             per index variant, beside exact brute force (its nDCG@10 and time) and BM25's nDCG@10
     train   triples/s of ColBERT and ColBERT-HIL training steps at ``--train-batch`` (forward, backward, AdamW)
+    memory  peak RSS of index building against ``chunk_docs`` (the memory knob), ``--memory-model``
     growth  the corpus tiled 1x/4x/16x (SciFact repeated with new ids; the encoded vectors are tiled, not
             re-encoded): plaid build seconds, bytes, peak RSS and search latency at each size
     peer    PyLate's ColBERT over the same backbone, lengths, batch size and threads encodes the same documents
@@ -50,7 +51,7 @@ if str(REPO) not in sys.path:
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-SECTIONS = ("peak", "encode", "index", "search", "train", "growth", "peer")
+SECTIONS = ("peak", "encode", "index", "search", "train", "growth", "peer", "memory")
 RESULT_PREFIX = "BENCH-RESULT "
 # Index variants: name -> (faiss_kind, faiss_params, document encoding). The base index (fp32 encoding, fp16
 # vectors) is encoded once; each variant derives its structures from it (or is encoded again for int8).
@@ -159,6 +160,15 @@ def _ndcg(dataset: Any, run: dict[str, dict[str, float]]) -> float:
     return float(evaluate_run(dataset.qrels, run, ["ndcg@10"])[0]["ndcg@10"])
 
 
+def _overlap(exact_path: Path, run: dict[str, dict[str, float]]) -> float | None:
+    """Mean share of the exact top 10 that ``run``'s top 10 also holds (None before the exact run is saved)."""
+    if not exact_path.is_file():
+        return None
+    exact = json.loads(exact_path.read_text())
+    shares = [len(set(list(run.get(q, {}))[:10]) & set(top)) / max(1, len(top)) for q, top in exact.items()]
+    return float(np.mean(shares)) if shares else None
+
+
 def _judged_queries(dataset: Any, limit: int | None) -> dict[str, str]:
     qids = [q for q in dataset.queries if q in dataset.qrels]
     return {q: dataset.queries[q] for q in (qids[:limit] if limit else qids)}
@@ -262,11 +272,16 @@ def section_search(cfg: dict[str, Any]) -> dict[str, Any]:
     queries = _judged_queries(dataset, cfg.get("search_queries"))
     out: dict[str, Any] = {"variant": name, "queries": len(queries), "k": cfg["k"],
                            "model": cfg.get("export") or cfg["model"]}
-    if name == "exact":
+    exact_path = base.directory.with_name(base.directory.name + f".exact-top10-{len(queries)}.json")
+    if name == "exact" or INDEX_VARIANTS.get(name, ("",))[0] == "flat":  # a flat index is searched exhaustively
         tick = time.perf_counter()
         result = exact_rank(encoder, base, queries, k=cfg["k"], progress=False)
         out.update(ndcg10=_ndcg(dataset, result.run), ms_per_query_batched=1000 * (time.perf_counter() - tick)
-                   / max(1, len(queries)))
+                   / max(1, len(queries)), document_encoding=base.meta.get("document_encoding"))
+        if name == "exact":
+            exact_path.write_text(json.dumps({q: list(docs)[:10] for q, docs in result.run.items()}))
+        else:
+            out["overlap10_vs_exact"] = _overlap(exact_path, result.run)
     elif name == "v1":  # ColBERT v1 full ranking: flat FAISS token search, ncandidates per query token
         limited = dict(list(queries.items())[: cfg["v1_queries"]])
         run, times, stats = _latencies(encoder, base, limited, cfg["k"], ncandidates=cfg["ncandidates"])
@@ -280,7 +295,8 @@ def section_search(cfg: dict[str, Any]) -> dict[str, Any]:
         index, _ = _variant_index(cfg, base, name)
         options = {k: v for k, v in cfg.get("search_options", {}).items() if v is not None}
         run, times, stats = _latencies(encoder, index, queries, cfg["k"], **options)
-        out.update(percentiles(times), ndcg10=_ndcg(dataset, run), candidates_mean=stats.get("candidates_mean"),
+        out.update(percentiles(times), ndcg10=_ndcg(dataset, run), overlap10_vs_exact=_overlap(exact_path, run),
+                   candidates_mean=stats.get("candidates_mean"),
                    plaid=stats.get("plaid"), bytes_per_token=index.bytes_per_token(),
                    encode_s=stats.get("encode_s"), ann_s=stats.get("ann_s"), score_s=stats.get("score_s"))
     out["peak_rss_mb"] = peak_rss_mb()
@@ -428,7 +444,28 @@ def section_peer(cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-CHILDREN = {"peak": section_peak, "encode": section_encode, "index": section_index, "search": section_search,
+def section_memory(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Peak RSS of building an index with ``chunk_docs`` documents per chunk (the memory knob of build_index)."""
+    from hil.retrieval.index import build_index
+    from measure import current_rss_mb, peak_rss_mb
+
+    dataset = _dataset(cfg)
+    ids, texts = dataset.doc_ids()[: cfg["memory_docs"]], dataset.documents()[: cfg["memory_docs"]]
+    encoder = _encoder({**cfg, "model": cfg["memory_model"]})
+    with tempfile.TemporaryDirectory(dir=cfg["work"]) as tmp:
+        baseline = current_rss_mb()
+        tick = time.perf_counter()
+        index = build_index(encoder, ids, texts, Path(tmp) / "idx", chunk_docs=cfg["chunk"],
+                            batch_size=cfg["batch_size"], progress=False)
+        seconds = time.perf_counter() - tick
+        vector_mb = index.n_tokens * index.bytes_per_token() / 2 ** 20
+    peak = peak_rss_mb()
+    return {"chunk_docs": cfg["chunk"], "docs": len(ids), "model": cfg["memory_model"], "build_s": seconds,
+            "rss_after_model_load_mb": baseline, "peak_rss_mb": peak, "peak_above_model_mb": peak - baseline,
+            "index_vectors_mb": vector_mb}
+
+
+CHILDREN = {"memory": section_memory, "peak": section_peak, "encode": section_encode, "index": section_index, "search": section_search,
             "train": section_train, "growth": section_growth, "peer": section_peer}
 
 
@@ -495,6 +532,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--growth", default="1,4,16", help="corpus multiples (empty: skip)")
     parser.add_argument("--growth-queries", type=int, default=100)
     parser.add_argument("--growth-variant", default="plaid", choices=("plaid", "plaid-r2"))
+    parser.add_argument("--memory-chunks", default="64,512,2048", help="chunk_docs values (memory section)")
+    parser.add_argument("--memory-docs", type=int, default=2048, help="documents indexed per memory run")
+    parser.add_argument("--memory-model", default="bert-tiny-splade", help="model of the memory section")
     parser.add_argument("--peer-python", default=None, help="a Python with PyLate (default: this one)")
     parser.add_argument("--omp-wait-policy", default="PASSIVE", choices=("PASSIVE", "ACTIVE"),
                         help="OMP_WAIT_POLICY of the children (PASSIVE suits a shared machine)")
@@ -512,7 +552,7 @@ def make_config(args: argparse.Namespace) -> dict[str, Any]:
     if args.quick:
         cfg.update(docs=cfg["docs"] or 256, queries=cfg["queries"] or 40, encode_docs=min(cfg["encode_docs"], 64),
                    encode_repeats=1, growth="", v1_queries=min(cfg["v1_queries"], 5), train_steps=1,
-                   train_models="bert-tiny-splade", peak_repeats=4,
+                   train_models="bert-tiny-splade", peak_repeats=4, memory_chunks="64,256", memory_docs=256,
                    sections=",".join(s for s in cfg["sections"].split(",") if s != "peer"))
     cfg["encode_variants"] = [v for v in cfg["encode_variants"].split(",") if v]
     cfg["index_variants"] = [v for v in cfg["index_variants"].split(",") if v]
@@ -535,7 +575,8 @@ def plan(cfg: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
         if section == "index":
             jobs += [(f"index:{v}", "index", {**cfg, "variant": v}) for v in cfg["index_variants"]]
         elif section == "search":
-            variants = ["bm25", "exact"] + [v for v in cfg["index_variants"]] + (["v1"] if cfg["v1_queries"] else [])
+            variants = ["bm25", "exact"] + [v for v in cfg["index_variants"] if v != "flat"] + \
+                (["v1"] if cfg["v1_queries"] else [])
             jobs += [(f"search:{v}", "search", {**cfg, "variant": v}) for v in variants]
             if cfg.get("export"):
                 jobs += [(f"search:export-{v}", "search", {**cfg, "variant": v})
@@ -543,6 +584,9 @@ def plan(cfg: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
         elif section == "train":
             jobs += [(f"train:{a}:{Path(m).name}", "train", {**cfg, "arch": a, "train_model": m})
                      for m in cfg["train_models"].split(",") if m for a in cfg["train_archs"].split(",") if a]
+        elif section == "memory":
+            jobs += [(f"memory:chunk{c}", "memory", {**cfg, "chunk": int(c)})
+                     for c in cfg["memory_chunks"].split(",") if c]
         elif section == "growth":
             jobs += [(f"growth:x{f}", "growth", {**cfg, "factor": int(f)}) for f in cfg["growth"].split(",") if f]
         else:
@@ -579,25 +623,35 @@ def table(results: dict[str, Any]) -> str:
             rows.append((f"index {r['variant']}", f"{r['build_s']:.1f} s build",
                          f"structures {r['structure_build_s']:.1f} s, {r['bytes_per_token']} B/token vectors, "
                          f"{r['disk_bytes_per_token']:.1f} B/token on disk, peak RSS {r['peak_rss_mb']:.0f} MB "
-                         f"(encoding peak {r['encode']['peak_rss_mb']:.0f} MB), {r['n_tokens']} tokens"))
+                         f"(encoding peak {_fmt(r['encode'].get('peak_rss_mb'), 0)} MB), {r['n_tokens']} tokens"))
         elif section == "search":
             name = label.split(":", 1)[1]
             if "p50_ms" in r:
                 rows.append((f"search {name}", f"p50 {r['p50_ms']:.1f} ms, p95 {r['p95_ms']:.1f} ms",
-                             f"nDCG@10 {_fmt(r.get('ndcg10'), 4)}; {r['queries']} queries, "
+                             f"nDCG@10 {_fmt(r.get('ndcg10'), 4)}, top-10 overlap with exact {_fmt(r.get('overlap10_vs_exact'), 3)}; "
+                             f"{r['queries']} queries, "
                              f"{_fmt(r.get('candidates_mean'), 0)} docs scored exactly; peak RSS "
                              f"{r['peak_rss_mb']:.0f} MB"))
             else:
                 rows.append((f"search {name}", f"nDCG@10 {r['ndcg10']:.4f}",
-                             f"{_fmt(r.get('ms_per_query_batched'))} ms/query batched; {r['queries'] if 'queries' in r else ''}"))
+                             f"exhaustive, {_fmt(r.get('ms_per_query_batched'))} ms/query batched; "
+                             f"top-10 overlap with exact {_fmt(r.get('overlap10_vs_exact'), 3)}; "
+                             f"{r.get('queries', '')} queries"))
         elif section == "train":
             rows.append((label.replace("train:", "train "), f"{_fmt(r['triples_per_s'], 2)} triples/s",
                          f"batch {r['batch']}, {r['s_per_step']:.1f} s/step over {r['steps_timed']} steps, "
                          f"peak RSS {r['peak_rss_mb']:.0f} MB"))
+        elif section == "memory":
+            jobs += [(f"memory:chunk{c}", "memory", {**cfg, "chunk": int(c)})
+                     for c in cfg["memory_chunks"].split(",") if c]
         elif section == "growth":
             rows.append((f"growth x{r['factor']}", f"p50 {r['p50_ms']:.1f} ms, p95 {r['p95_ms']:.1f} ms",
                          f"{r['n_docs']} docs, {r['n_tokens']} tokens; plaid build {r['structure_build_s']:.1f} s; "
                          f"{r['disk_bytes'] / 2 ** 20:.0f} MiB on disk; peak RSS {r['peak_rss_mb']:.0f} MB"))
+        elif section == "memory":
+            rows.append((f"memory chunk_docs={r['chunk_docs']}", f"peak RSS {r['peak_rss_mb']:.0f} MB",
+                         f"{r['peak_above_model_mb']:.0f} MB above the loaded model; {r['docs']} docs "
+                         f"({r['index_vectors_mb']:.0f} MB of vectors), {r['model']}, {r['build_s']:.0f} s"))
         elif section == "peer":
             if "pylate" in r:
                 ratios = ", ".join(f"{m} x{v:.2f}" for m, v in r["ratio_vs_pylate"].items())
@@ -628,24 +682,25 @@ def main(argv: list[str]) -> int:
         return 0
     cfg = make_config(args)
     Path(cfg["work"]).mkdir(parents=True, exist_ok=True)
+    from hil.provenance import provenance, write_json_atomic
+
+    output = Path(args.output) if args.output else HERE / "results" / f"{cfg['name']}.json"
+    output.parent.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {}
     started = time.perf_counter()
     for label, section, job in plan(cfg):
         print(f"[bench] {label} ...", file=sys.stderr, flush=True)
         results[label] = run_child(section, job, args.section_timeout)
+        results[label]["load_average_after"] = list(os.getloadavg())
         if "error" in results[label]:
             print(f"[bench] {label}: {results[label]['error']}", file=sys.stderr, flush=True)
-    from hil.provenance import provenance, write_json_atomic
-
-    output = Path(args.output) if args.output else HERE / "results" / f"{cfg['name']}.json"
-    output.parent.mkdir(parents=True, exist_ok=True)
-    record = provenance({k: v for k, v in cfg.items() if k != "search_options"},
-                        command=" ".join([Path(sys.argv[0]).name, *argv]), search_options=cfg["search_options"],
-                        machine={"cpu_count": os.cpu_count(), "platform": platform.platform(),
-                                 "processor": platform.processor(),
-                                 "load_average": list(os.getloadavg())},
-                        results=results, total_s=time.perf_counter() - started)
-    write_json_atomic(output, record)
+        # Written after every section: an interrupted run keeps what it measured.
+        record = provenance({k: v for k, v in cfg.items() if k != "search_options"},
+                            command=" ".join([Path(sys.argv[0]).name, *argv]), search_options=cfg["search_options"],
+                            machine={"cpu_count": os.cpu_count(), "platform": platform.platform(),
+                                     "processor": platform.processor()},
+                            results=results, total_s=time.perf_counter() - started)
+        write_json_atomic(output, record)
     print(table(results))
     print(f"\nwrote {output} ({time.perf_counter() - started:.0f} s)")
     return 0

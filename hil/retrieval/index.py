@@ -8,6 +8,11 @@ Layout of an index folder ``<dir>``::
     token_ids.npy              (n_tokens,) int32: the vocabulary id of every stored token (for analysis / IDF)
     <head>.embeddings.npy      (n_tokens, D) float16, one per encoder head, L2-normalized token vectors
     <head>.faiss               the trained FAISS index of an ``ivfflat`` / ``ivfpq`` index
+    <head>.centroids.npy       ``plaid``: (C, D) float32 k-means centroids (hil.retrieval.plaid)
+    <head>.codes.npy           ``plaid``: (n_tokens,) uint16/int32 nearest centroid of every token
+    <head>.ivf_offsets.npy     ``plaid``: (C + 1,) int64 and ``<head>.ivf_docs.npy`` (E,) int32: centroid -> documents
+    <head>.residuals.npy       ``plaid`` with ``residual_bits``: (n_tokens, D * bits / 8) uint8 packed residuals
+                               (hil.retrieval.codec); with ``keep_embeddings=False`` it replaces the fp16 file
 
 Only tokens that take part in late interaction are stored (the encoder's ``mask``; punctuation and padding are
 dropped, as ColBERT does), so scoring a gathered document gives the same number as scoring the encoder's output.
@@ -21,6 +26,9 @@ Choices (the paper only says "ANN search, then late-interaction re-ranking"; the
   embeddings widened to fp32, so it is *not* written to disk (that would double the index size for nothing):
   :meth:`TokenIndex.faiss_index` rebuilds it in memory from the embeddings on first use. ``ivfflat`` / ``ivfpq``
   are trained on a random sample of tokens and written as ``<head>.faiss``.
+- ``faiss_kind="plaid"`` is PLAID / ColBERTv2-style centroid pruning (no FAISS search at query time; see
+  :mod:`hil.retrieval.plaid`), optionally with ColBERTv2 residual compression at 34 bytes per token (2 bits,
+  D = 128) instead of 256 for fp16: then :attr:`TokenStore.embeddings` holds a decompressing array-like view.
 - The encoder fingerprint hashes the settings (without the backbone *name*, which is only where the weights came
   from) and every parameter/buffer byte, so the same weights loaded from another folder still match.
 """
