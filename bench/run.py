@@ -542,6 +542,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--peak-repeats", type=int, default=10)
     parser.add_argument("--work", default=str(HERE / "work"), help="index folder (reused between runs)")
     parser.add_argument("--section-timeout", type=float, default=None, help="seconds per child (default none)")
+    parser.add_argument("--table", default=None, metavar="JSON", help="only print the table of a results file")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--child-config", default=None, help=argparse.SUPPRESS)
     return parser
@@ -641,9 +642,6 @@ def table(results: dict[str, Any]) -> str:
             rows.append((label.replace("train:", "train "), f"{_fmt(r['triples_per_s'], 2)} triples/s",
                          f"batch {r['batch']}, {r['s_per_step']:.1f} s/step over {r['steps_timed']} steps, "
                          f"peak RSS {r['peak_rss_mb']:.0f} MB"))
-        elif section == "memory":
-            jobs += [(f"memory:chunk{c}", "memory", {**cfg, "chunk": int(c)})
-                     for c in cfg["memory_chunks"].split(",") if c]
         elif section == "growth":
             rows.append((f"growth x{r['factor']}", f"p50 {r['p50_ms']:.1f} ms, p95 {r['p95_ms']:.1f} ms",
                          f"{r['n_docs']} docs, {r['n_tokens']} tokens; plaid build {r['structure_build_s']:.1f} s; "
@@ -668,6 +666,9 @@ def table(results: dict[str, Any]) -> str:
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if args.table:  # print the table of an earlier results file
+        print(table(json.loads(Path(args.table).read_text())["results"]))
+        return 0
     if args.child:
         cfg = json.loads(args.child_config)
         _setup_threads(cfg["threads"])

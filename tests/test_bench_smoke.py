@@ -88,11 +88,13 @@ def test_table_formats_every_section(bench):
         "growth:x4": {"factor": 4, "p50_ms": 30.0, "p95_ms": 60.0, "n_docs": 40, "n_tokens": 4000,
                       "structure_build_s": 3.0, "disk_bytes": 2 ** 20, "peak_rss_mb": 700.0},
         "peer": {"peer_error": "PyLate did not run"},
+        "memory:chunk64": {"chunk_docs": 64, "peak_rss_mb": 700.0, "peak_above_model_mb": 80.0, "docs": 256,
+                           "index_vectors_mb": 10.0, "model": "tiny", "build_s": 5.0},
         "train:hil:tiny": {"error": "exit 1: boom"},
     }
     text = bench.table(results)
     for expected in ("120.0 GFLOP/s", "20.0 docs/s", "66% of peak", "10.0 s build", "p50 20.0 ms", "0.6800",
-                     "12.00 triples/s", "growth x4", "not run", "ERROR"):
+                     "12.00 triples/s", "growth x4", "not run", "ERROR", "memory chunk_docs=64"):
         assert expected in text, expected
 
 
