@@ -7,9 +7,11 @@ export HIL_DATA_DIR ?= $(SHARED)/data
 export HIL_MODELS_DIR ?= $(SHARED)/models
 export HIL_SHARED_DIR ?= $(SHARED)
 export TOKENIZERS_PARALLELISM ?= false
+# Idle OpenMP threads spin by default; on a 2-core machine shared with FAISS and tokenizers that wastes cores.
+export OMP_WAIT_POLICY ?= PASSIVE
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test test-slow test-all bench clean
+.PHONY: setup demo paper test test-slow test-all bench clean
 
 setup: $(VENV)/.installed
 
@@ -26,6 +28,11 @@ demo: setup
 	$(BIN)/python train.py fit --config configs/colbert.yaml --config configs/presets/cpu.yaml \
 		--trainer.default_root_dir runs/demo --export_dir runs/demo/export
 	$(BIN)/python evaluate.py --model runs/demo/export --dataset scifact --output results/demo
+
+# The paper's tables at this machine's scale (results/$(PROFILE)/report.md); resumes when rerun.
+PROFILE ?= cpu
+paper: setup
+	$(BIN)/python -m hil.experiments.paper --profile $(PROFILE)
 
 test: setup
 	$(BIN)/python -m pytest -q

@@ -81,4 +81,8 @@ def write_json_atomic(path: str | os.PathLike, payload: Any) -> None:
         json.dump(payload, handle, indent=2, sort_keys=False, default=str)
         handle.write("\n")
         tmp = handle.name
+    # NamedTemporaryFile creates 0600; give the result the permissions a plain open() would (0666 & ~umask).
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
     os.replace(tmp, path)

@@ -15,24 +15,11 @@ import torch
 from hil.retrieval.index import (IndexMismatchError, TokenIndex, build_index, encode_document_tokens,
                                  encoder_fingerprint, eval_mode, fingerprint_corpus, open_or_build_index)
 
-WORDS = ("cell protein gene tumor vaccine virus dose trial mouse brain heart blood lung risk insulin "
-         "signal receptor growth therapy patient model effect rate level study").split()
+from toys import toy_corpus as _toy_corpus  # noqa: E402
 
 
 def toy_corpus(n: int = 50, seed: int = 0) -> tuple[list[str], list[str]]:
-    """``n`` distinct short texts (1..14 words, some punctuation), ids deliberately not in sorted order."""
-    rng = np.random.default_rng(seed)
-    texts = []
-    for i in range(n):
-        words = list(rng.choice(WORDS, size=int(rng.integers(1, 15))))
-        words.insert(int(rng.integers(0, len(words) + 1)), f"{i}")
-        if i % 3 == 0:
-            words[-1] += "."
-        if i % 4 == 0:
-            words.insert(1, ",")
-        texts.append(" ".join(words))
-    ids = [f"d{(7 * i) % n:03d}" for i in range(n)]
-    return ids, texts
+    return _toy_corpus(n, seed, commas=True)
 
 
 def reference_tokens(encoder, text: str) -> tuple[np.ndarray, np.ndarray]:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from hil.isotropy.postprocess import fit_transform_from_config
 from hil.modeling.scoring import late_interaction_matrix
-from hil.retrieval.index import (INDEX_JSON, TokenIndex, build_index, encode_document_tokens, encoder_fingerprint,
+from hil.retrieval.index import (INDEX_JSON, build_index, encode_document_tokens, encoder_fingerprint,
                                  eval_mode)
 from hil.retrieval.transformed import (TransformedEncoder, derive_transformed_index, encode_sample,
                                        fit_head_transforms, fit_transformed_encoder, load_transforms,

@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--k", type=int, default=1000, help="documents kept per query")
     parser.add_argument("--ncandidates", type=int, default=None, help="FAISS neighbours per query token")
     parser.add_argument("--rerank-depth", type=int, default=100)
-    parser.add_argument("--faiss", choices=("flat", "ivfflat", "ivfpq"), default="flat")
+    parser.add_argument("--faiss", choices=("flat", "ivfflat", "ivfpq", "plaid"), default="flat")
     parser.add_argument("--faiss-params", type=json.loads, default=None,
                         help='JSON, e.g. \'{"nlist": 1024, "m": 16, "nbits": 8, "nprobe": 16}\'')
     parser.add_argument("--index-root", default="indexes")

@@ -10,8 +10,6 @@ One training step, end to end:
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor

@@ -93,15 +93,30 @@ def _length_blocks(sorted_lengths: np.ndarray, block_tokens: int) -> Iterator[tu
 
 
 def score_documents(encoder: Any, queries: EncodedBatch, store: TokenStore, doc_indices: np.ndarray, *,
-                    block_tokens: int = 1 << 14) -> np.ndarray:
+                    block_tokens: int = 1 << 14, by_head: bool = False) -> np.ndarray | dict[str, np.ndarray]:
     """``encoder.score`` of every query against every listed stored document. -> (Bq, C) float32.
 
     Documents are sorted by length and scored in blocks of at most ``block_tokens`` padded tokens (little
     padding, bounded memory); queries in sub-batches that keep the similarity tensor under ``_SIM_ELEMENTS``.
+    ``by_head=True`` returns each head's score instead (``encoder.score_heads``; a one-head encoder without it
+    gives ``{head: score}``), in one pass.
     """
     doc_indices = np.asarray(doc_indices, dtype=np.int64)
     n_queries = len(queries)
-    scores = np.empty((n_queries, len(doc_indices)), dtype=np.float32)
+    if by_head:
+        if hasattr(encoder, "score_heads"):
+            def score_fn(q: EncodedBatch, d: EncodedBatch) -> dict[str, torch.Tensor]:
+                return encoder.score_heads(q, d, all_pairs=True)
+        else:
+            (head,) = encoder.head_names
+
+            def score_fn(q: EncodedBatch, d: EncodedBatch) -> dict[str, torch.Tensor]:
+                return {head: encoder.score(q, d)}
+        out = {head: np.empty((n_queries, len(doc_indices)), dtype=np.float32) for head in encoder.head_names}
+    else:
+        def score_fn(q: EncodedBatch, d: EncodedBatch) -> dict[str, torch.Tensor]:
+            return {"": encoder.score(q, d)}
+        out = {"": np.empty((n_queries, len(doc_indices)), dtype=np.float32)}
     lengths = store.doc_lengths[doc_indices]
     order = np.argsort(lengths, kind="stable")
     query_len = queries.mask.shape[1]
@@ -112,8 +127,9 @@ def score_documents(encoder: Any, queries: EncodedBatch, store: TokenStore, doc_
         step = max(1, _SIM_ELEMENTS // max(1, query_len * padded_tokens))
         for q_start in range(0, n_queries, step):
             part = queries.select(slice(q_start, q_start + step))
-            scores[q_start: q_start + step, block] = encoder.score(part, docs).float().cpu().numpy()
-    return scores
+            for name, values in score_fn(part, docs).items():
+                out[name][q_start: q_start + step, block] = values.float().cpu().numpy()
+    return out if by_head else out[""]
 
 
 def top_k(scores: np.ndarray, doc_indices: np.ndarray, doc_id_rank: np.ndarray,

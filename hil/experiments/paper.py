@@ -1,0 +1,376 @@
+"""Reproduce HIL (001) Tables 2, 3 and 5 and Figures 2, 3 and 5 at a chosen scale, in one resumable command.
+
+    python -m hil.experiments.paper --profile cpu          # about two hours on 2 CPU cores
+    python -m hil.experiments.paper --profile smoke        # minutes; the test suite runs it
+    python -m hil.experiments.paper --profile paper        # 001's settings, for a GPU
+
+Stages, each skipped when its output already exists (a rerun resumes; ``--force`` redoes everything):
+
+1. train every variant of :data:`~hil.experiments.profiles.VARIANTS` with ``train.py``'s CLI in a subprocess,
+   same budget for all (:class:`~hil.experiments.profiles.Profile`), exported to ``train/<variant>/export``;
+   the export is written under a temporary name and renamed when training succeeded, so a killed run retrains
+   that variant from the start;
+2. evaluate every model on every dataset: BM25; exact late interaction of every query against every document
+   (``full``: the top ``k`` of the whole corpus, i.e. full ranking without first-stage approximation; ``rerank``:
+   BM25's top ``rerank_depth`` re-scored, DL19); each head's score matrix is kept so that ColBERT-lambda is the
+   sum of its trained members' matrices (no re-encoding) and Fig. 3 counts the documents each head puts in its
+   own top ``overlap_depth``; InterIso of each head over (query, most relevant document) pairs (Table 3);
+3. write ``report.md`` (tables with bootstrap intervals and paired tests against ColBERT), ``summary.json`` and
+   the figures under ``results/<profile>/``.
+
+Choices where 001 is vague: "ColBERT-cosreg" and "ColBERT-istar" are the isotropic settings of 001 A.3 (lambda
+0.2): both methods were proposed to make embeddings isotropic. Delta InterIso is InterIso(anisotropic module) -
+InterIso(isotropic module): H - L for ColBERT-HIL and its ablations, aniso - iso for ColBERT-lambda; one-module
+models have no Delta and their own InterIso is shown instead. InterIso is measured on each query paired with its
+most relevant judged document (highest grade, then smallest id), so every model is measured on the same pairs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from hil.data.beir import BeirDataset, load_beir, load_dl19_pool
+from hil.evaluation.pipeline import evaluate_bm25, score_run
+from hil.evaluation.runs import write_trec_run
+from hil.experiments.profiles import DATASETS, ENSEMBLES, PROFILES, VARIANTS, Profile
+from hil.isotropy.metrics import inter_iso
+from hil.modeling.encoder import CONFIG_NAME
+from hil.modeling.loading import load_encoder
+from hil.paths import resolve_data_file
+from hil.provenance import git_commit, provenance, write_json_atomic
+from hil.retrieval.index import encode_document_tokens, eval_mode
+from hil.retrieval.search import _concat_batches, gather_documents, score_documents, top_k
+
+REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+class ExperimentError(RuntimeError):
+    """A stage failed; the message names the log or file to look at."""
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+# -- datasets ------------------------------------------------------------------------------------------------
+
+def load_dataset(key: str, profile: Profile) -> BeirDataset:
+    _, where = DATASETS[key]
+    if key == "dl19":
+        dataset = load_dl19_pool(resolve_data_file(where))
+    else:
+        dataset = load_beir(where)
+    if key in profile.slices:
+        n_queries, n_docs = profile.slices[key]
+        dataset = dataset.subset(n_queries=n_queries, n_docs=n_docs, seed=profile.seed)
+    return dataset
+
+
+def relevant_pairs(dataset: BeirDataset, limit: int, seed: int) -> list[tuple[str, str]]:
+    """(query id, its most relevant document id) for up to ``limit`` judged queries, a seeded sample."""
+    pairs = []
+    for qid in dataset.queries:
+        judged = {doc: grade for doc, grade in dataset.qrels.get(qid, {}).items()
+                  if grade > 0 and doc in dataset.corpus}
+        if judged:
+            pairs.append((qid, min(judged, key=lambda doc: (-judged[doc], doc))))
+    if len(pairs) > limit:
+        keep = set(random.Random(seed).sample(range(len(pairs)), limit))
+        pairs = [pair for i, pair in enumerate(pairs) if i in keep]
+    return pairs
+
+
+# -- training ------------------------------------------------------------------------------------------------
+
+def train_variant(name: str, profile: Profile, out: Path, configs: Path, force: bool = False) -> Path:
+    """Train ``name`` under ``profile`` (skipped when its export exists). -> the export folder."""
+    config_file, _ = VARIANTS[name]
+    workdir = out / "train" / name
+    export = workdir / "export"
+    if (export / CONFIG_NAME).is_file() and not force:
+        log(f"train {name}: done before, skipped")
+        return export
+    if workdir.exists():
+        shutil.rmtree(workdir)
+    workdir.mkdir(parents=True)
+    partial = workdir / "export.partial"
+    command = [sys.executable, "-c", "from hil.cli import train_main; train_main()", "fit",
+               "--config", str(configs / f"{config_file}.yaml"), *profile.train_overrides(),
+               "--trainer.default_root_dir", str(workdir), "--export_dir", str(partial)]
+    log(f"train {name}: {profile.max_steps} steps x {profile.batch_size} triples (log: {workdir / 'train.log'})")
+    started = time.perf_counter()
+    with open(workdir / "train.log", "w") as stream:
+        completed = subprocess.run(command, stdout=stream, stderr=subprocess.STDOUT,
+                                   env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    seconds = time.perf_counter() - started
+    if completed.returncode != 0 or not (partial / CONFIG_NAME).is_file():
+        tail = (workdir / "train.log").read_text(errors="replace").strip().splitlines()[-3:]
+        raise ExperimentError(f"training {name} failed (exit {completed.returncode}); see {workdir / 'train.log'}: "
+                              + " | ".join(tail))
+    partial.rename(export)
+    write_json_atomic(workdir / "train.json", {
+        "variant": name, "config": f"configs/{config_file}.yaml", "command": command[3:], "seconds": seconds,
+        "peak_rss_mb_children": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024})
+    log(f"train {name}: {seconds:.0f} s")
+    return export
+
+
+# -- evaluation ----------------------------------------------------------------------------------------------
+
+def _save_npz_atomic(path: Path, **arrays: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp.npz")
+    np.savez(tmp, **arrays)
+    os.replace(tmp, path)
+
+
+def _rank(dataset: BeirDataset, qids: list[str], doc_ids: list[str], total: np.ndarray, mode: str,
+          candidates: dict[str, list[str]] | None, k: int) -> dict[str, dict[str, float]]:
+    """Top ``k`` per query from a (queries, documents) score matrix: of every document, or of the candidates."""
+    doc_index = {doc: i for i, doc in enumerate(doc_ids)}
+    id_rank = np.argsort(np.argsort(np.array(doc_ids, dtype=object), kind="stable"), kind="stable")
+    every = np.arange(len(doc_ids), dtype=np.int64)
+    run = {}
+    for row, qid in enumerate(qids):
+        docs = every if mode == "full" else np.array([doc_index[d] for d in candidates.get(qid, [])], np.int64)
+        if len(docs) == 0:
+            run[qid] = {}
+            continue
+        best, scores = top_k(total[row, docs], docs, id_rank, k)
+        run[qid] = {doc_ids[d]: float(s) for d, s in zip(best.tolist(), scores.tolist())}
+    return run
+
+
+def head_overlap(heads: dict[str, np.ndarray], depth: int) -> dict[str, Any] | None:
+    """Fig. 3: over all queries, documents in only head a's top ``depth``, only head b's, or both."""
+    if len(heads) != 2:
+        return None
+    (a, sa), (b, sb) = heads.items()
+    depth = min(depth, sa.shape[1])
+    only_a = only_b = both = 0
+    for row in range(sa.shape[0]):
+        top_a = set(np.argpartition(-sa[row], depth - 1)[:depth].tolist())
+        top_b = set(np.argpartition(-sb[row], depth - 1)[:depth].tolist())
+        both += len(top_a & top_b)
+        only_a += len(top_a - top_b)
+        only_b += len(top_b - top_a)
+    total = only_a + only_b + both
+    return {"heads": [a, b], f"only_{a}": only_a, f"only_{b}": only_b, "both": both, "total": total,
+            "share_both": both / total if total else 0.0, "depth": depth}
+
+
+def _metrics_record(name: str, dataset: BeirDataset, run: dict[str, dict[str, float]], **extra: Any
+                    ) -> dict[str, Any]:
+    evaluation = score_run(name, dataset, run)
+    return {"model": name, "dataset": dataset.name, "metrics": evaluation.aggregate,
+            "per_query": evaluation.per_query, **extra}
+
+
+def evaluate_model(name: str, source: str, key: str, dataset: BeirDataset, profile: Profile, out: Path,
+                   bm25_candidates: dict[str, list[str]] | None, figures: bool) -> dict[str, Any]:
+    """Encode, score every query against every document, rank, measure; writes ``eval/<key>/<name>.*``."""
+    mode, _ = DATASETS[key]
+    folder = out / "eval" / key
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(profile.seed)
+    encoder = load_encoder(source)
+    qids, doc_ids = list(dataset.queries), dataset.doc_ids()
+    timings = {}
+    with eval_mode(encoder):
+        started = time.perf_counter()
+        store = encode_document_tokens(encoder, dataset.documents(),
+                                       batch_size=profile.encode_batch_size).to_store(doc_ids)
+        timings["encode_s"] = time.perf_counter() - started
+        started = time.perf_counter()
+        texts = [dataset.queries[q] for q in qids]
+        queries = _concat_batches([encoder.encode_queries(texts[i: i + 64]) for i in range(0, len(texts), 64)])
+        every = np.arange(store.n_docs, dtype=np.int64)
+        heads = score_documents(encoder, queries, store, every, by_head=True)
+        total = sum(heads.values()) if len(heads) > 1 else next(iter(heads.values()))
+        # The sum of the heads must be the model's score (HIL: "simply add them together"); checked on a corner.
+        corner = score_documents(encoder, queries.select(slice(0, 4)), store, every[:64])
+        if not np.allclose(corner, total[:4, :64], atol=1e-3, rtol=1e-4):
+            raise ExperimentError(f"{name}: the sum of the head scores is not encoder.score")
+        timings["score_s"] = time.perf_counter() - started
+
+        pairs = relevant_pairs(dataset, profile.interiso_pairs, profile.seed)
+        row_of = {q: i for i, q in enumerate(qids)}
+        rows = torch.tensor([row_of[q] for q, _ in pairs], dtype=torch.long)
+        docs = gather_documents(store, [store.doc_index[d] for _, d in pairs], heads=encoder.head_names)
+        interiso = {head: float(inter_iso(queries.heads[head][rows].float(), docs.heads[head],
+                                          queries.mask[rows], docs.mask).mean()) for head in encoder.head_names}
+        extras: dict[str, Any] = {}
+        if figures:
+            extras = figure_data(encoder, name, dataset, pairs[: profile.figure_pairs], folder)
+    run = _rank(dataset, qids, doc_ids, total, mode, bm25_candidates, profile.k)
+    record = _metrics_record(name, dataset, run, source=source, mode=mode, inter_iso=interiso,
+                             overlap=head_overlap(heads, profile.overlap_depth),
+                             timings={**timings, "docs_per_s": len(doc_ids) / max(timings["encode_s"], 1e-9)},
+                             n_docs=len(doc_ids), n_tokens=int(store.n_tokens), interiso_pairs=len(pairs), **extras)
+    _save_npz_atomic(folder / f"{name}.scores.npz", qids=np.array(qids), doc_ids=np.array(doc_ids),
+                     **{f"head_{h}": v for h, v in heads.items()})
+    write_trec_run(folder / f"{name}.trec", run, tag=name)
+    write_json_atomic(folder / f"{name}.json", record)
+    return record
+
+
+def figure_data(encoder: Any, name: str, dataset: BeirDataset, pairs: list[tuple[str, str]],
+                folder: Path) -> dict[str, Any]:
+    """Fig. 2 token cosines (saved to ``<name>.cosines.npz``) and Fig. 5 InterIso per layer of each backbone."""
+    from hil.analysis.layers import encoder_layer_inter_iso
+    from hil.analysis.similarity import token_cosines
+
+    query_texts = [dataset.queries[q] for q, _ in pairs]
+    doc_texts = [dataset.doc_text(d) for _, d in pairs]
+    cosines = token_cosines(encoder, query_texts, doc_texts)
+    _save_npz_atomic(folder / f"{name}.cosines.npz",
+                     **{head: values.astype(np.float16) for head, values in cosines.all_pairs.items()})
+    curves = encoder_layer_inter_iso(encoder, query_texts, doc_texts, label=name)
+    return {"layer_inter_iso": {label: np.asarray(curve, float).tolist() for label, curve in curves.items()}}
+
+
+def evaluate_ensemble(name: str, members: tuple[str, str], key: str, dataset: BeirDataset, profile: Profile,
+                      out: Path, bm25_candidates: dict[str, list[str]] | None) -> dict[str, Any]:
+    """ColBERT-lambda: the sum of its two members' score matrices (001 Section 3.2, weights 1 and 1)."""
+    mode, _ = DATASETS[key]
+    folder = out / "eval" / key
+    heads, interiso, qids, doc_ids = {}, {}, None, None
+    for member, head in zip(members, ("iso", "aniso")):
+        with np.load(folder / f"{member}.scores.npz") as saved:
+            if qids is not None and (list(saved["qids"]) != qids or list(saved["doc_ids"]) != doc_ids):
+                raise ExperimentError(f"{name}: members scored different queries or documents on {key}")
+            qids, doc_ids = list(saved["qids"]), list(saved["doc_ids"])
+            (only,) = [saved[f] for f in saved.files if f.startswith("head_")]
+            heads[head] = only
+        (interiso[head],) = json.loads((folder / f"{member}.json").read_text())["inter_iso"].values()
+    total = heads["iso"] + heads["aniso"]
+    run = _rank(dataset, qids, doc_ids, total, mode, bm25_candidates, profile.k)
+    record = _metrics_record(name, dataset, run, source="+".join(members), mode=mode, inter_iso=interiso,
+                             overlap=head_overlap(heads, profile.overlap_depth))
+    write_trec_run(folder / f"{name}.trec", run, tag=name)
+    write_json_atomic(folder / f"{name}.json", record)
+    return record
+
+
+def _done(path: Path, force: bool) -> bool:
+    return path.is_file() and not force
+
+
+def run_profile(profile: Profile, out: Path, *, configs: Path = REPO_CONFIGS, variants: list[str] | None = None,
+                datasets: list[str] | None = None, force: bool = False, command: str = "") -> Path:
+    """Every stage for ``profile`` into ``out``; returns the report path."""
+    from hil.experiments.report import write_report
+
+    variants = variants or list(VARIANTS)
+    datasets = datasets or list(DATASETS)
+    unknown = sorted(set(variants) - set(VARIANTS)) + sorted(set(datasets) - set(DATASETS))
+    if unknown:
+        raise ExperimentError(f"unknown variant or dataset {unknown}; variants {list(VARIANTS)}, "
+                              f"datasets {list(DATASETS)}")
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    write_json_atomic(out / "profile.json", provenance(profile.budget(), command=command))
+    exports = {name: train_variant(name, profile, out, configs, force) for name in variants}
+    ensembles = {name: spec for name, spec in ENSEMBLES.items() if spec[0] in exports and spec[1] in exports}
+    for key in datasets:
+        dataset = load_dataset(key, profile)
+        folder = out / "eval" / key
+        folder.mkdir(parents=True, exist_ok=True)
+        if _done(folder / "bm25.json", force):
+            bm25 = json.loads((folder / "bm25.json").read_text())
+        else:
+            depth = profile.rerank_depth if DATASETS[key][0] == "rerank" else profile.k
+            evaluation = evaluate_bm25(dataset, k=max(depth, profile.k))
+            bm25 = _metrics_record("bm25", dataset, evaluation.run, mode="bm25",
+                                   run_top={q: sorted(d, key=d.get, reverse=True)[: profile.rerank_depth]
+                                            for q, d in evaluation.run.items()})
+            write_trec_run(folder / "bm25.trec", evaluation.run, tag="bm25")
+            write_json_atomic(folder / "bm25.json", bm25)
+        candidates = bm25["run_top"] if DATASETS[key][0] == "rerank" else None
+        for name, export in exports.items():
+            if _done(folder / f"{name}.json", force):
+                continue
+            log(f"evaluate {name} on {key} ({len(dataset.queries)} queries, {len(dataset.corpus)} documents)")
+            record = evaluate_model(name, str(export), key, dataset, profile, out, candidates,
+                                    figures=key == datasets[0])
+            log(f"  nDCG@10 {record['metrics']['ndcg@10']:.4f}, InterIso {record['inter_iso']}, "
+                f"encode {record['timings']['encode_s']:.0f} s, score {record['timings']['score_s']:.0f} s")
+        for name, (iso, aniso, _) in ensembles.items():
+            if not _done(folder / f"{name}.json", force):
+                record = evaluate_ensemble(name, (iso, aniso), key, dataset, profile, out, candidates)
+                log(f"evaluate {name} on {key}: nDCG@10 {record['metrics']['ndcg@10']:.4f}")
+    report = write_report(out, profile, command=command, elapsed_s=time.perf_counter() - started)
+    log(f"report: {report}")
+    return report
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m hil.experiments.paper", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--profile", choices=sorted(PROFILES), default="cpu")
+    parser.add_argument("--out", default=None, help="output folder (default results/<profile>)")
+    parser.add_argument("--variants", default=None, help=f"comma-separated subset of {','.join(VARIANTS)}")
+    parser.add_argument("--datasets", default=None, help=f"comma-separated subset of {','.join(DATASETS)}")
+    parser.add_argument("--max-steps", type=int, default=None, help="override the profile's training steps")
+    parser.add_argument("--configs", default=str(REPO_CONFIGS), help="folder of the variant config files")
+    parser.add_argument("--force", action="store_true", help="redo finished stages instead of skipping them")
+    parser.add_argument("--report-only", action="store_true", help="only rewrite the report from finished stages")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dataclasses import replace
+
+    from hil.experiments.report import write_report
+
+    args = build_parser().parse_args(argv)
+    profile = PROFILES[args.profile]
+    if args.max_steps is not None:
+        if args.max_steps < 1:
+            print("error: --max-steps must be at least 1", file=sys.stderr)
+            return 2
+        profile = replace(profile, max_steps=args.max_steps)
+    out = Path(args.out or Path("results") / profile.name)
+    command = "python -m hil.experiments.paper " + " ".join(argv if argv is not None else sys.argv[1:])
+    try:
+        if args.report_only:
+            print(write_report(out, profile, command=command))
+            return 0
+        split: Callable[[str | None], list[str] | None] = lambda s: [x for x in s.split(",") if x] if s else None  # noqa: E731
+        run_profile(profile, out, configs=Path(args.configs), variants=split(args.variants),
+                    datasets=split(args.datasets), force=args.force, command=command)
+    except (ExperimentError, FileNotFoundError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def machine() -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "gpu": gpu,
+            "platform": platform.platform(), "python": platform.python_version(), "commit": git_commit()}
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,140 @@
+"""The paper experiment runner: its pure pieces against obvious references, and the smoke profile end to end."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hil.data.beir import BeirDataset
+from hil.experiments.paper import _rank, head_overlap, main, relevant_pairs
+from hil.experiments.profiles import DATASETS, PROFILES, VARIANTS
+from hil.experiments.report import delta_inter_iso
+from hil.modeling.encoder import ColBERTEncoder
+from hil.retrieval.index import encode_document_tokens, eval_mode
+from hil.retrieval.search import score_documents
+
+
+def _dataset() -> BeirDataset:
+    corpus = {f"d{i}": {"title": "", "text": f"document {i}"} for i in range(6)}
+    queries = {"q1": "one", "q2": "two", "q3": "three"}
+    qrels = {"q1": {"d3": 1, "d1": 2, "d5": 2}, "q2": {"d0": 0, "d4": 1}, "q3": {"d9": 2}}
+    return BeirDataset(name="toy", corpus=corpus, queries=queries, qrels=qrels, split="test", source="memory")
+
+
+def test_relevant_pairs_take_the_highest_grade_then_the_smallest_id_and_skip_unjudged():
+    pairs = relevant_pairs(_dataset(), limit=10, seed=0)
+    # q1: grade 2 ties between d1 and d5 -> d1; q2: d0 has grade 0 -> d4; q3: d9 is not in the corpus -> none
+    assert pairs == [("q1", "d1"), ("q2", "d4")]
+    assert len(relevant_pairs(_dataset(), limit=1, seed=0)) == 1
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 6), st.integers(2, 30), st.integers(1, 12), st.integers(0, 2 ** 31 - 1))
+def test_head_overlap_counts_match_set_arithmetic(n_queries, n_docs, depth, seed):
+    rng = np.random.default_rng(seed)
+    a, b = rng.normal(size=(n_queries, n_docs)), rng.normal(size=(n_queries, n_docs))
+    result = head_overlap({"L": a, "H": b}, depth)
+    d = min(depth, n_docs)
+    both = only_a = only_b = 0
+    for row in range(n_queries):
+        top_a = set(np.argsort(-a[row])[:d].tolist())
+        top_b = set(np.argsort(-b[row])[:d].tolist())
+        both += len(top_a & top_b)
+        only_a += len(top_a - top_b)
+        only_b += len(top_b - top_a)
+    assert (result["both"], result["only_L"], result["only_H"]) == (both, only_a, only_b)
+    assert result["total"] == only_a + only_b + both
+    assert only_a + both == only_b + both == n_queries * d
+    assert head_overlap({"colbert": a}, depth) is None
+
+
+def test_rank_full_and_rerank_against_sorting():
+    dataset = _dataset()
+    doc_ids = dataset.doc_ids()
+    scores = np.array([[0.1, 0.9, 0.5, 0.9, 0.0, 0.3], [1.0, 2.0, 3.0, 4.0, 5.0, 6.0], [0, 0, 0, 0, 0, 0.0]])
+    run = _rank(dataset, ["q1", "q2", "q3"], doc_ids, scores, "full", None, k=3)
+    assert list(run["q1"]) == ["d1", "d3", "d2"]  # tie at 0.9 broken by id
+    assert list(run["q2"]) == ["d5", "d4", "d3"]
+    rerun = _rank(dataset, ["q1", "q2", "q3"], doc_ids, scores, "rerank", {"q1": ["d0", "d4"], "q2": []}, k=3)
+    assert list(rerun["q1"]) == ["d0", "d4"] and rerun["q2"] == {} and rerun["q3"] == {}
+
+
+def test_delta_inter_iso_is_anisotropic_minus_isotropic():
+    assert delta_inter_iso({"L": 0.1, "H": 0.7}) == pytest.approx(0.6)
+    assert delta_inter_iso({"iso": 0.3, "aniso": 0.2}) == pytest.approx(-0.1)
+    assert delta_inter_iso({"colbert": 0.4}) is None
+
+
+def test_score_documents_by_head_matches_score(tiny_model_dir):
+    torch.manual_seed(0)
+    encoder = ColBERTEncoder(backbone=str(tiny_model_dir), dim=16, query_maxlen=8, doc_maxlen=24)
+    texts = ["alpha beta gamma", "delta", "epsilon zeta eta theta iota kappa", "lambda mu"]
+    with eval_mode(encoder):
+        store = encode_document_tokens(encoder, texts, batch_size=2).to_store([f"d{i}" for i in range(4)])
+        queries = encoder.encode_queries(["alpha", "mu nu"])
+        every = np.arange(4)
+        combined = score_documents(encoder, queries, store, every)
+        heads = score_documents(encoder, queries, store, every, by_head=True)
+    assert list(heads) == ["colbert"]
+    np.testing.assert_allclose(heads["colbert"], combined, rtol=0, atol=0)
+
+
+def test_profiles_cover_every_variant_config():
+    repo_root = Path(__file__).resolve().parents[1]
+    for config, _ in VARIANTS.values():
+        assert (repo_root / "configs" / f"{config}.yaml").is_file(), config
+    for profile in PROFILES.values():
+        assert set(profile.slices) <= set(DATASETS)
+        args = profile.train_overrides()
+        assert args[args.index("--trainer.max_steps") + 1] == str(profile.max_steps)
+
+
+def test_bad_arguments_are_one_line_errors(tmp_path, capsys):
+    assert main(["--profile", "smoke", "--out", str(tmp_path), "--variants", "colbert,nope"]) == 1
+    assert "unknown variant or dataset ['nope']" in capsys.readouterr().err
+    assert main(["--profile", "smoke", "--out", str(tmp_path), "--max-steps", "0"]) == 2
+    assert main(["--profile", "smoke", "--out", str(tmp_path / "empty"), "--report-only"]) == 1
+    assert "no evaluations found" in capsys.readouterr().err
+
+
+def test_smoke_profile_end_to_end_and_resume(tmp_path):
+    """Every variant trains 2 steps and is evaluated on slices; the report has every table; a rerun skips."""
+    out = tmp_path / "smoke"
+    assert main(["--profile", "smoke", "--out", str(out)]) == 0
+    report = (out / "report.md").read_text()
+    for heading in ("## Table 2", "## Table 3", "## Table 5", "Figure 2", "Figure 3", "Figure 5", "## Verdict"):
+        assert heading in report, heading
+    for name in ("ColBERT-lambda", "ColBERT-HIL w/o reg_L, reg_H", "ColBERT-cosreg", "ColBERT-istar", "BM25"):
+        assert f"| {name} |" in report, name
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["table3"]["hil"]["delta_inter_iso"] is not None
+    assert summary["table3"]["lambda"]["delta_inter_iso"] is not None
+    for key in DATASETS:
+        for name in list(VARIANTS) + ["lambda", "bm25"]:
+            record = json.loads((out / "eval" / key / f"{name}.json").read_text())
+            assert 0.0 <= record["metrics"]["ndcg@10"] <= 1.0
+    # ColBERT-lambda is the sum of its members' matrices: recompute one query's ranking from the saved scores.
+    with np.load(out / "eval" / "scifact" / "iso.scores.npz") as iso, \
+            np.load(out / "eval" / "scifact" / "aniso.scores.npz") as aniso:
+        total = iso["head_colbert"][0] + aniso["head_colbert"][0]
+        best = str(iso["doc_ids"][int(np.argmax(total))])
+        qid = str(iso["qids"][0])
+    lam = json.loads((out / "eval" / "scifact" / "lambda.json").read_text())
+    assert lam["per_query"][qid] is not None
+    run_top = [line.split()[2] for line in (out / "eval" / "scifact" / "lambda.trec").read_text().splitlines()
+               if line.split()[0] == qid][0]
+    assert run_top == best
+    figures = sorted(p.name for p in (out / "figures").glob("*.png"))
+    assert figures == ["fig2_cosines.png", "fig3_overlap.png", "fig5_layers.png"]
+
+    before = {p: p.stat().st_mtime_ns for p in (out / "eval").rglob("*.json")}
+    exports = {p: p.stat().st_mtime_ns for p in (out / "train").glob("*/export/*.json")}
+    assert main(["--profile", "smoke", "--out", str(out)]) == 0  # resumes: nothing retrained or re-evaluated
+    assert before == {p: p.stat().st_mtime_ns for p in (out / "eval").rglob("*.json")}
+    assert exports == {p: p.stat().st_mtime_ns for p in (out / "train").glob("*/export/*.json")}

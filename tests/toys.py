@@ -1,0 +1,62 @@
+"""Small deterministic inputs shared by the retrieval tests: a toy corpus, queries and random-BERT encoders."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hil.modeling.encoder import ColBERTEncoder
+from hil.modeling.scoring import late_interaction_matrix
+
+WORDS = ("cell protein gene tumor vaccine virus dose trial mouse brain heart blood lung risk insulin "
+         "signal receptor growth therapy patient model effect rate level study").split()
+QUERIES = {"q1": "protein gene therapy", "q2": "tumor growth in the mouse brain", "q3": "vaccine dose trial",
+           "q10": "insulin signal receptor", "q4": "heart and lung risk", "q5": "what is a cell?"}
+
+
+def toy_corpus(n: int = 50, seed: int = 0, commas: bool = False) -> tuple[list[str], list[str]]:
+    """``n`` distinct short texts (1..14 words, a period on every third, with ``commas`` a lone comma on every
+    fourth), ids deliberately not in sorted order."""
+    rng = np.random.default_rng(seed)
+    texts = []
+    for i in range(n):
+        words = list(rng.choice(WORDS, size=int(rng.integers(1, 15))))
+        words.insert(int(rng.integers(0, len(words) + 1)), f"{i}")
+        if i % 3 == 0:
+            words[-1] += "."
+        if commas and i % 4 == 0:
+            words.insert(1, ",")
+        texts.append(" ".join(words))
+    return [f"d{(7 * i) % n:03d}" for i in range(n)], texts
+
+
+class TwoHeadEncoder(ColBERTEncoder):
+    """Two projections of the same hidden states, relevance = the sum of both heads' Eq. 1 scores."""
+
+    architecture = "two-head-test"
+    head_names = ("a", "b")
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.linear_b = nn.Linear(self.hidden_size, self.dim, bias=False)
+
+    def embed(self, batch, is_query):
+        hidden = self.hidden_states(batch)
+        return {"a": F.normalize(self.linear(hidden), dim=-1), "b": F.normalize(self.linear_b(hidden), dim=-1)}
+
+    def score(self, queries, docs):
+        return sum(late_interaction_matrix(queries.heads[h].float(), docs.heads[h].float(), queries.mask, docs.mask)
+                   for h in self.head_names)
+
+
+def make_encoder(hf_tokenizer, cls=ColBERTEncoder, seed: int = 0):
+    """A one-layer random BERT (hidden 32) under ``cls``, 16-d heads, lengths 12/24, in eval mode."""
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(seed)
+    config = BertConfig(vocab_size=hf_tokenizer.vocab_size, hidden_size=32, num_hidden_layers=1,
+                        num_attention_heads=2, intermediate_size=64, max_position_embeddings=128)
+    model = BertModel(config, add_pooling_layer=False)
+    return cls("random-bert", dim=16, query_maxlen=12, doc_maxlen=24, _loaded=(model, hf_tokenizer)).eval()
