@@ -3,6 +3,7 @@ on a SciFact slice; ColBERT-lambda is evaluated from the iso and aniso exports."
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -108,3 +109,23 @@ def test_colbert_lambda_from_the_iso_and_aniso_exports(trained, scifact_slice, t
     assert isinstance(encoder, EnsembleEncoder)
     aggregate = check_evaluation(encoder, scifact_slice, tmp_path)
     assert "ndcg@10" in aggregate
+
+
+def test_evaluate_cli_recomputes_hil_idf_on_the_target_corpus(trained, tmp_path):
+    """``--idf corpus`` replaces the IDF learnt from the training triples with the evaluated corpus's."""
+    from hil.evaluation.cli import main
+
+    export = trained("colbert_hil")
+    common = ["--dataset", "scifact", "--max-queries", "6", "--max-docs", "60", "--no-bm25", "--no-stats",
+              "--quiet", "--k", "20", "--index-root", str(tmp_path / "indexes")]
+    runs = {}
+    for idf in ("model", "corpus"):
+        assert main(["--model", str(export), "--idf", idf, "--output", str(tmp_path / idf), *common]) == 0
+        record = json.loads((tmp_path / idf / "metrics.json").read_text())
+        (model,) = record["models"].values()
+        runs[idf] = model
+    assert "scifact corpus" in runs["corpus"]["settings"]["idf_source"]
+    assert "scifact" not in runs["model"]["settings"]["idf_source"]
+    assert runs["model"]["fingerprint"] != runs["corpus"]["fingerprint"]
+    with pytest.raises(SystemExit, match="needs a model with IDF weights"):
+        main(["--model", str(trained("colbert")), "--idf", "corpus", "--output", str(tmp_path / "c"), *common])

@@ -146,6 +146,38 @@ def test_gather_padded_and_cross_rank_in_batch_loss_match_one_process():
     run_spawned(_gather_worker)
 
 
+def _moments_worker(rank: int, world: int, port: int) -> None:
+    from hil.modeling.distributed import pooled_moments
+    from hil.modeling.hil_scoring import batch_moments
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        generator = torch.Generator().manual_seed(7)
+        xs = [torch.randn(3 + r, 5, generator=generator) * (1 + r) + r for r in range(world)]
+        masks = [torch.rand(x.shape, generator=generator) > 0.3 for x in xs]
+        mean, std = pooled_moments(xs[rank], masks[rank], eps=1e-6)
+        ref_mean, ref_std = batch_moments(torch.cat([x.reshape(-1) for x in xs]),
+                                          torch.cat([m.reshape(-1) for m in masks]), eps=1e-6)
+        torch.testing.assert_close(mean, ref_mean, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(std, ref_std, atol=1e-5, rtol=1e-5)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_pooled_moments_are_the_global_batch_moments_on_every_rank():
+    """HIL's running z-score statistics: ranks with different batch sizes agree on the moments of all batches."""
+    run_spawned(_moments_worker)
+
+
+def test_pooled_moments_single_process_equal_batch_moments():
+    from hil.modeling.distributed import pooled_moments
+    from hil.modeling.hil_scoring import batch_moments
+
+    x, mask = torch.randn(4, 6, dtype=torch.float64), torch.rand(4, 6) > 0.5
+    for a, b in zip(pooled_moments(x, mask, 1e-6), batch_moments(x, mask, eps=1e-6)):
+        torch.testing.assert_close(a, b.float(), atol=1e-6, rtol=1e-6)
+
+
 def test_single_process_gather_is_identity():
     x, mask = torch.randn(2, 3, 4), torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool)
     gathered = gather_padded(x, mask)

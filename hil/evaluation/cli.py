@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--query-maxlen", type=int, default=None)
     parser.add_argument("--doc-maxlen", type=int, default=None)
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    parser.add_argument("--idf", choices=("model", "corpus"), default="model",
+                        help="ColBERT-HIL query-term IDF: the table stored with the model (default), or recomputed on "
+                             "the evaluated corpus (the index is then keyed to that IDF)")
     parser.add_argument("--transform", action="append", default=[], metavar="SPEC",
                         help='post-hoc transform of the heads\' vectors, e.g. "whitening", "whitening:k=64", '
                              '"remove-pcs:n_components=1", "standardize", "nice" (repeatable; the untransformed '
@@ -89,6 +92,11 @@ def main(argv: list[str]) -> int:
         evaluations.append(bm25)
     if args.mode != "bm25":
         encoder = load_encoder(args.model, **overrides)
+        if args.idf == "corpus":
+            if not hasattr(encoder, "set_idf_from_texts"):
+                raise SystemExit(f"evaluate.py: --idf corpus needs a model with IDF weights (ColBERT-HIL); "
+                                 f"{args.model} is {encoder.architecture}")
+            encoder.set_idf_from_texts(dataset.documents(), source=f"{dataset.name} corpus ({dataset.split})")
         with torch.inference_mode():
             evaluation = evaluate_retriever(
                 encoder, dataset, mode=args.mode, k=args.k, index_root=args.index_root, faiss_kind=args.faiss,

@@ -119,3 +119,23 @@ def gather_encoded(batch: Any) -> tuple[Any, int]:
     heads = {name: gather_padded(values, batch.mask).values for name, values in batch.heads.items()}
     input_ids, mask, offset = gather_padded(batch.input_ids, batch.mask)
     return type(batch)(heads, mask, input_ids), offset
+
+
+@torch.no_grad()
+def pooled_moments(x: Tensor, mask: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """Mean and ``sqrt(var + eps)`` of the masked entries of ``x`` over every rank's batch (no gradient).
+
+    On one process this is ``hil_scoring.batch_moments``; under DDP the count, sum and sum of squares are summed
+    over ranks first, so every rank gets the moments of the global batch. ColBERT-HIL's running z-score estimates
+    are updated with these: each rank then holds the same estimates (which DDP's buffer broadcast from rank 0
+    would otherwise impose, keeping only rank 0's batches).
+    """
+    x = x.detach().to(torch.float64)
+    weights = mask.to(x.dtype)
+    totals = torch.stack([weights.sum(), (x * weights).sum(), (x.square() * weights).sum()])
+    if is_distributed():
+        dist.all_reduce(totals, op=dist.ReduceOp.SUM)
+    count = totals[0].clamp(min=1.0)
+    mean = totals[1] / count
+    variance = (totals[2] / count - mean.square()).clamp(min=0.0)
+    return mean.float(), torch.sqrt(variance + eps).float()

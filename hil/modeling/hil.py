@@ -40,6 +40,7 @@ from torch import Tensor, nn
 from hil.data.idf import IDFTable
 from hil.data.tokenization import DOC_MARKER, QUERY_MARKER, TokenizedBatch
 from hil.isotropy.metrics import inter_iso
+from hil.modeling.distributed import pooled_moments
 from hil.modeling.encoder import EncodedBatch, MultiVectorEncoder
 from hil.modeling.hil_scoring import (DEFAULT_EPS, batch_moments, hil_token_scores, lexical_query_mask,
                                       zscored_late_interaction)
@@ -181,7 +182,8 @@ class HILEncoder(MultiVectorEncoder):
         """Per-head ``score_late`` of (query ``pair_index[k]``, document k) for the training loss. -> head -> (P,).
 
         In training mode each head is z-scored with the moments of all its token scores in this call (all pairs
-        together: pass the (q, d+) and (q, d-) pairs at once) and the running estimates are updated; in eval mode
+        together: pass the (q, d+) and (q, d-) pairs at once) and the running estimates are updated with the moments
+        pooled over every DDP rank (the same on each rank); in eval mode
         the running estimates are used. Also returns each head's query-token mask of the paired queries (P, Lq).
         """
         paired = queries.select(pair_index)
@@ -190,7 +192,7 @@ class HILEncoder(MultiVectorEncoder):
         for head in HEADS:
             if self.training:
                 mean, std = batch_moments(scores[head], masks[head], eps=self.zscore_eps)
-                self.zscore[head].update(mean.detach(), std.detach())
+                self.zscore[head].update(*pooled_moments(scores[head], masks[head], eps=self.zscore_eps))
             else:
                 mean, std = self.running_moments(head)
             late[head] = zscored_late_interaction(scores[head], masks[head], mean, std, eps=self.zscore_eps)
