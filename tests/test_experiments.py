@@ -133,6 +133,11 @@ def test_smoke_profile_end_to_end_and_resume(tmp_path):
     figures = sorted(p.name for p in (out / "figures").glob("*.png"))
     assert figures == ["fig2_cosines.png", "fig3_overlap.png", "fig5_layers.png"]
 
+    published = tmp_path / "docs"
+    assert main(["--profile", "smoke", "--out", str(out), "--report-only", "--publish", str(published)]) == 0
+    assert (published / "report.md").is_file() and (published / "figures" / "fig2_cosines.png").is_file()
+    assert (published / "eval" / "dl19" / "hil.json").is_file() and not list(published.rglob("*.npz"))
+
     before = {p: p.stat().st_mtime_ns for p in (out / "eval").rglob("*.json")}
     exports = {p: p.stat().st_mtime_ns for p in (out / "train").glob("*/export/*.json")}
     assert main(["--profile", "smoke", "--out", str(out)]) == 0  # resumes: nothing retrained or re-evaluated

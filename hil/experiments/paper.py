@@ -328,7 +328,25 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--configs", default=str(REPO_CONFIGS), help="folder of the variant config files")
     parser.add_argument("--force", action="store_true", help="redo finished stages instead of skipping them")
     parser.add_argument("--report-only", action="store_true", help="only rewrite the report from finished stages")
+    parser.add_argument("--publish", default=None, metavar="DIR",
+                        help="then copy the report, summary.json, figures and per-model metric JSONs (no runs, "
+                             "score matrices or models) to DIR, e.g. docs/paper-cpu")
     return parser
+
+
+def publish(out: Path, target: Path) -> Path:
+    """Copy what a reader of the report needs (small files) from ``out`` to ``target``; returns the copied report."""
+    if not (out / "report.md").is_file():
+        raise ExperimentError(f"{out}: no report.md to publish (run the experiment first)")
+    if target.exists():
+        shutil.rmtree(target)
+    for pattern in ("report.md", "summary.json", "profile.json", "figures/*.png", "eval/*/*.json",
+                    "train/*/train.json"):
+        for path in sorted(out.glob(pattern)):
+            destination = target / path.relative_to(out)
+            destination.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, destination)
+    return target / "report.md"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -347,11 +365,16 @@ def main(argv: list[str] | None = None) -> int:
     command = "python -m hil.experiments.paper " + " ".join(argv if argv is not None else sys.argv[1:])
     try:
         if args.report_only:
+            recorded = out / "profile.json"  # the command that ran the experiment, not this rewrite
+            if recorded.is_file():
+                command = json.loads(recorded.read_text()).get("command") or command
             print(write_report(out, profile, command=command))
-            return 0
-        split: Callable[[str | None], list[str] | None] = lambda s: [x for x in s.split(",") if x] if s else None  # noqa: E731
-        run_profile(profile, out, configs=Path(args.configs), variants=split(args.variants),
-                    datasets=split(args.datasets), force=args.force, command=command)
+        else:
+            split: Callable[[str | None], list[str] | None] = lambda s: [x for x in s.split(",") if x] if s else None  # noqa: E731
+            run_profile(profile, out, configs=Path(args.configs), variants=split(args.variants),
+                        datasets=split(args.datasets), force=args.force, command=command)
+        if args.publish:
+            log(f"published {publish(out, Path(args.publish))}")
     except (ExperimentError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
