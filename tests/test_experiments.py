@@ -110,13 +110,14 @@ def test_smoke_profile_end_to_end_and_resume(tmp_path):
     report = (out / "report.md").read_text()
     for heading in ("## Table 2", "## Table 3", "## Table 5", "Figure 2", "Figure 3", "Figure 5", "## Verdict"):
         assert heading in report, heading
-    for name in ("ColBERT-lambda", "ColBERT-HIL w/o reg_L, reg_H", "ColBERT-cosreg", "ColBERT-istar", "BM25"):
+    for name in ("ColBERT-lambda", "ColBERT-HIL w/o reg_L, reg_H", "ColBERT-cosreg", "ColBERT-istar", "BM25",
+                 "ColBERT-HIL, target-corpus IDF"):
         assert f"| {name} |" in report, name
     summary = json.loads((out / "summary.json").read_text())
     assert summary["table3"]["hil"]["delta_inter_iso"] is not None
     assert summary["table3"]["lambda"]["delta_inter_iso"] is not None
     for key in DATASETS:
-        for name in list(VARIANTS) + ["lambda", "bm25"]:
+        for name in list(VARIANTS) + ["lambda", "bm25", "hil_corpus_idf"]:
             record = json.loads((out / "eval" / key / f"{name}.json").read_text())
             assert 0.0 <= record["metrics"]["ndcg@10"] <= 1.0
     # ColBERT-lambda is the sum of its members' matrices: recompute one query's ranking from the saved scores.

@@ -46,7 +46,7 @@ import torch
 from hil.data.beir import BeirDataset, load_beir, load_dl19_pool
 from hil.evaluation.pipeline import evaluate_bm25, score_run
 from hil.evaluation.runs import write_trec_run
-from hil.experiments.profiles import DATASETS, ENSEMBLES, PROFILES, VARIANTS, Profile
+from hil.experiments.profiles import CORPUS_IDF, DATASETS, ENSEMBLES, PROFILES, VARIANTS, Profile
 from hil.isotropy.metrics import inter_iso
 from hil.modeling.encoder import CONFIG_NAME
 from hil.modeling.loading import load_encoder
@@ -172,6 +172,29 @@ def head_overlap(heads: dict[str, np.ndarray], depth: int) -> dict[str, Any] | N
             "share_both": both / total if total else 0.0, "depth": depth}
 
 
+def module_metrics(dataset: BeirDataset, qids: list[str], doc_ids: list[str], heads: dict[str, np.ndarray],
+                   mode: str, candidates: dict[str, list[str]] | None, k: int) -> dict[str, dict[str, float]] | None:
+    """Each module's own ranking quality (its score alone): how much each head contributes (001 Table 4's H)."""
+    if len(heads) < 2:
+        return None
+    return {head: score_run(head, dataset, _rank(dataset, qids, doc_ids, values, mode, candidates, k)).aggregate
+            for head, values in heads.items()}
+
+
+def backfill_module_metrics(folder: Path, name: str, dataset: BeirDataset, mode: str,
+                            candidates: dict[str, list[str]] | None, k: int) -> None:
+    """Add ``module_metrics`` to an evaluation finished before they were recorded (from its saved score matrices)."""
+    path, scores = folder / f"{name}.json", folder / f"{name}.scores.npz"
+    record = json.loads(path.read_text())
+    if "module_metrics" in record or not scores.is_file():
+        return
+    with np.load(scores) as saved:
+        heads = {f[len("head_"):]: saved[f] for f in saved.files if f.startswith("head_")}
+        qids, doc_ids = list(saved["qids"]), list(saved["doc_ids"])
+    record["module_metrics"] = module_metrics(dataset, qids, doc_ids, heads, mode, candidates, k)
+    write_json_atomic(path, record)
+
+
 def _metrics_record(name: str, dataset: BeirDataset, run: dict[str, dict[str, float]], **extra: Any
                     ) -> dict[str, Any]:
     evaluation = score_run(name, dataset, run)
@@ -180,13 +203,19 @@ def _metrics_record(name: str, dataset: BeirDataset, run: dict[str, dict[str, fl
 
 
 def evaluate_model(name: str, source: str, key: str, dataset: BeirDataset, profile: Profile, out: Path,
-                   bm25_candidates: dict[str, list[str]] | None, figures: bool) -> dict[str, Any]:
-    """Encode, score every query against every document, rank, measure; writes ``eval/<key>/<name>.*``."""
+                   bm25_candidates: dict[str, list[str]] | None, figures: bool,
+                   corpus_idf: bool = False) -> dict[str, Any]:
+    """Encode, score every query against every document, rank, measure; writes ``eval/<key>/<name>.*``.
+
+    ``corpus_idf``: recompute the model's query-term IDF on this dataset's documents first (ColBERT-HIL).
+    """
     mode, _ = DATASETS[key]
     folder = out / "eval" / key
     folder.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(profile.seed)
     encoder = load_encoder(source)
+    if corpus_idf:
+        encoder.set_idf_from_texts(dataset.documents(), source=f"{dataset.name} corpus")
     qids, doc_ids = list(dataset.queries), dataset.doc_ids()
     timings = {}
     with eval_mode(encoder):
@@ -218,6 +247,8 @@ def evaluate_model(name: str, source: str, key: str, dataset: BeirDataset, profi
     run = _rank(dataset, qids, doc_ids, total, mode, bm25_candidates, profile.k)
     record = _metrics_record(name, dataset, run, source=source, mode=mode, inter_iso=interiso,
                              overlap=head_overlap(heads, profile.overlap_depth),
+                             module_metrics=module_metrics(dataset, qids, doc_ids, heads, mode, bm25_candidates,
+                                                           profile.k),
                              timings={**timings, "docs_per_s": len(doc_ids) / max(timings["encode_s"], 1e-9)},
                              n_docs=len(doc_ids), n_tokens=int(store.n_tokens), interiso_pairs=len(pairs), **extras)
     _save_npz_atomic(folder / f"{name}.scores.npz", qids=np.array(qids), doc_ids=np.array(doc_ids),
@@ -302,12 +333,21 @@ def run_profile(profile: Profile, out: Path, *, configs: Path = REPO_CONFIGS, va
         candidates = bm25["run_top"] if DATASETS[key][0] == "rerank" else None
         for name, export in exports.items():
             if _done(folder / f"{name}.json", force):
+                backfill_module_metrics(folder, name, dataset, DATASETS[key][0], candidates, profile.k)
                 continue
             log(f"evaluate {name} on {key} ({len(dataset.queries)} queries, {len(dataset.corpus)} documents)")
             record = evaluate_model(name, str(export), key, dataset, profile, out, candidates,
                                     figures=key == datasets[0])
             log(f"  nDCG@10 {record['metrics']['ndcg@10']:.4f}, InterIso {record['inter_iso']}, "
                 f"encode {record['timings']['encode_s']:.0f} s, score {record['timings']['score_s']:.0f} s")
+        for name, (base, _) in CORPUS_IDF.items():
+            if base in exports and _done(folder / f"{name}.json", force):
+                backfill_module_metrics(folder, name, dataset, DATASETS[key][0], candidates, profile.k)
+            elif base in exports:
+                log(f"evaluate {name} on {key}")
+                record = evaluate_model(name, str(exports[base]), key, dataset, profile, out, candidates,
+                                        figures=False, corpus_idf=True)
+                log(f"  nDCG@10 {record['metrics']['ndcg@10']:.4f}, InterIso {record['inter_iso']}")
         for name, (iso, aniso, _) in ensembles.items():
             if not _done(folder / f"{name}.json", force):
                 record = evaluate_ensemble(name, (iso, aniso), key, dataset, profile, out, candidates)

@@ -33,6 +33,10 @@ VARIANTS: dict[str, tuple[str, str]] = {
 # ColBERT-lambda is not trained: it adds the scores of the two trained members (001 Section 3.2).
 ENSEMBLES: dict[str, tuple[str, str, str]] = {"lambda": ("iso", "aniso", "ColBERT-lambda")}
 
+# Trained variants evaluated a second way: ColBERT-HIL with its query-term IDF recomputed on each evaluated corpus
+# instead of the training passages' (the issue's "the evaluation can recompute it on the target corpus").
+CORPUS_IDF: dict[str, tuple[str, str]] = {"hil_corpus_idf": ("hil", "ColBERT-HIL, target-corpus IDF")}
+
 # dataset key -> (how it is evaluated, where it is found under HIL_DATA_DIR)
 DATASETS: dict[str, tuple[str, str]] = {
     "scifact": ("full", "scifact"),

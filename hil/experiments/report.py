@@ -16,13 +16,18 @@ from typing import Any, Sequence
 import numpy as np
 
 from hil.evaluation.statistics import bootstrap_ci, paired_permutation_test, paired_t_test
-from hil.experiments.profiles import DATASETS, ENSEMBLES, VARIANTS, ZERO_SHOT, Profile
+from hil.experiments.profiles import CORPUS_IDF, DATASETS, ENSEMBLES, VARIANTS, ZERO_SHOT, Profile
 from hil.provenance import provenance, versions, write_json_atomic
 
 METRIC = "ndcg@10"
-MAIN_ROWS = ("bm25", "colbert", "cosreg", "istar", "iso", "aniso", "lambda", "hil")
+MAIN_ROWS = ("bm25", "colbert", "cosreg", "istar", "iso", "aniso", "lambda", "hil", "hil_corpus_idf")
 ABLATION_ROWS = ("hil_no_reg", "hil_no_reg_h", "hil_no_reg_l", "hil")
 DATASET_LABELS = {"scifact": "SciFact", "nfcorpus": "NFCorpus", "dl19": "DL19 (re-rank)"}
+
+
+def _order(name: str) -> int:
+    names = ["bm25", *VARIANTS, *ENSEMBLES, *CORPUS_IDF]
+    return names.index(name) if name in names else len(names)
 
 
 def label(name: str) -> str:
@@ -30,6 +35,8 @@ def label(name: str) -> str:
         return "BM25"
     if name in ENSEMBLES:
         return ENSEMBLES[name][2]
+    if name in CORPUS_IDF:
+        return CORPUS_IDF[name][1]
     return VARIANTS[name][1] if name in VARIANTS else name
 
 
@@ -155,7 +162,7 @@ def table3(results: dict[str, Any], stats: dict[str, Any]) -> tuple[list[str], d
     keys = [k for k in ZERO_SHOT if k in results]
     header = ["Model", "BEIR Avg. nDCG@10", "DL19 re-rank", "InterIso per module", "Delta InterIso"]
     rows, summary = [], {}
-    for name in ("colbert", "cosreg", "istar", "iso", "aniso", "lambda", "hil"):
+    for name in ("colbert", "cosreg", "istar", "iso", "aniso", "lambda", "hil", "hil_corpus_idf"):
         if not any(name in results[k] for k in results):
             continue
         iso = _inter_iso(results, name, keys)
@@ -194,6 +201,33 @@ def table5(results: dict[str, Any], stats: dict[str, Any]) -> tuple[list[str], d
     return _table(header, rows), summary
 
 
+def module_table(results: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
+    """nDCG@10 of each module of the two-module models on its own, beside the combined score."""
+    keys = [k for k in DATASETS if k in results]
+    header = ["Model"] + [f"{DATASET_LABELS[k]}: {part}" for k in keys for part in ("iso module", "aniso module",
+                                                                                      "sum")]
+    rows, summary = [], {}
+    for name in ("lambda", "hil", "hil_corpus_idf", "hil_no_reg_l", "hil_no_reg_h", "hil_no_reg"):
+        cells, found = [label(name)], False
+        for key in keys:
+            record = results[key].get(name) or {}
+            modules = record.get("module_metrics")
+            if name == "lambda" and record:  # the members are the iso and aniso rows
+                modules = {head: results[key].get(member, {}).get("metrics", {})
+                           for head, member in zip(("iso", "aniso"), ENSEMBLES[name][:2])}
+            if not modules:
+                cells += ["-", "-", "-"]
+                continue
+            found = True
+            (iso_head, iso), (aniso_head, aniso) = modules.items()
+            cells += [_pct(iso.get(METRIC)), _pct(aniso.get(METRIC)), _pct(record["metrics"][METRIC])]
+            summary.setdefault(name, {})[key] = {iso_head: iso.get(METRIC), aniso_head: aniso.get(METRIC),
+                                                 "sum": record["metrics"][METRIC]}
+        if found:
+            rows.append(cells)
+    return _table(header, rows), summary
+
+
 def figures(out: Path, results: dict[str, Any]) -> dict[str, str]:
     """Fig. 2 (token cosine distributions), Fig. 3 (overlap of heads' top documents), Fig. 5 (InterIso by layer)."""
     from hil.analysis.plots import plot_cosine_distributions, plot_layer_inter_iso, plot_overlap
@@ -229,6 +263,25 @@ def figures(out: Path, results: dict[str, Any]) -> dict[str, str]:
     return made
 
 
+def qrels_note(key: str, profile: Profile) -> str | None:
+    """A sentence on how informative a dataset's judgments are (grades used, share of the corpus judged relevant)."""
+    from hil.experiments.paper import load_dataset
+
+    try:
+        dataset = load_dataset(key, profile)
+    except (OSError, ValueError):
+        return None
+    grades = sorted({g for judged in dataset.qrels.values() for g in judged.values()})
+    relevant = {d for judged in dataset.qrels.values() for d, g in judged.items() if g > 0}
+    share = len(relevant) / max(1, len(dataset.corpus))
+    text = (f"{DATASET_LABELS[key]}: {len(dataset.queries)} queries, {len(dataset.corpus)} documents, relevance "
+            f"grades used {grades}, {100 * share:.0f}% of the documents judged relevant to some query")
+    if share > 0.5 and len([g for g in grades if g > 0]) == 1:
+        text += (" (nearly every document is relevant to some query, with one grade: re-ranking there is mostly "
+                 "telling topics apart, so expect every model near the ceiling)")
+    return text
+
+
 def _verdict(stats: dict[str, Any], summary: dict[str, Any]) -> str:
     keys = [k for k in ZERO_SHOT if k in stats]
     hil, colbert, bm25 = (summary.get(n, {}).get("avg") for n in ("hil", "colbert", "bm25"))
@@ -250,6 +303,11 @@ def _verdict(stats: dict[str, Any], summary: dict[str, Any]) -> str:
     return "; ".join(parts) + "."
 
 
+def _stage_minutes(results: dict[str, Any]) -> float:
+    return sum(r["timings"]["encode_s"] + r["timings"]["score_s"] for models in results.values()
+               for r in models.values() if r.get("timings")) / 60
+
+
 def write_report(out: Path, profile: Profile, *, command: str = "", elapsed_s: float | None = None) -> Path:
     from hil.experiments.paper import machine
 
@@ -261,8 +319,10 @@ def write_report(out: Path, profile: Profile, *, command: str = "", elapsed_s: f
     t2, summary2 = table2(results, stats)
     t3, summary3 = table3(results, stats)
     t5, summary5 = table5(results, stats)
+    tm, summary_modules = module_table(results)
     made = figures(out, results)
-    training = {p.parent.name: json.loads(p.read_text()) for p in sorted((out / "train").glob("*/train.json"))}
+    training = {name: json.loads((out / "train" / name / "train.json").read_text()) for name in VARIANTS
+                if (out / "train" / name / "train.json").is_file()}
     host = machine()
     sizes = {k: {"queries": max(len(m["per_query"]) for m in r.values()),
                  "documents": max((m.get("n_docs") or 0 for m in r.values()), default=0)}
@@ -272,7 +332,9 @@ def write_report(out: Path, profile: Profile, *, command: str = "", elapsed_s: f
              f"Generated {time.strftime('%Y-%m-%d %H:%M')} by `{command or 'python -m hil.experiments.paper'}` "
              f"at commit `{host['commit']}` on {host['cpu']} ({host['cores']} cores, {host['torch_threads']} torch "
              f"threads{', GPU ' + host['gpu'] if host['gpu'] else ''})"
-             + (f"; this invocation ran {elapsed_s / 60:.1f} min" if elapsed_s is not None else "") + ".", "",
+             + (f"; this invocation ran {elapsed_s / 60:.1f} min" if elapsed_s is not None else "") + ". Stage "
+             f"totals: training {sum(t['seconds'] for t in training.values()) / 60:.1f} min, document encoding "
+             f"and scoring {_stage_minutes(results):.1f} min (model loading, BM25 and figures not counted).", "",
              "## Budget", "",
              f"{profile.description}. Every variant: backbone `{profile.backbone}`, triples `{profile.triples}`"
              + (f" (first {profile.max_triples})" if profile.max_triples else "")
@@ -286,6 +348,8 @@ def write_report(out: Path, profile: Profile, *, command: str = "", elapsed_s: f
              f"over queries ({profile.n_bootstrap} samples); † = paired t-test p < 0.01 against ColBERT.", ""]
     if profile.slices:
         lines += [f"Slices (queries, documents): {profile.slices}.", ""]
+    notes = [note for note in (qrels_note(k, profile) for k in results) if note]
+    lines += ["Judgments: " + "; ".join(notes) + ".", ""] if notes else []
     lines += ["## Verdict", "", _verdict(stats, summary2), "",
               "## Table 2: nDCG@10", "", *t2, "",
               "Paired tests against ColBERT (difference in nDCG@10 points; two-sided p of the paired t-test and of "
@@ -294,6 +358,9 @@ def write_report(out: Path, profile: Profile, *, command: str = "", elapsed_s: f
               "InterIso (001 Eq. 2) of each module on (query, most relevant document) pairs "
               f"(up to {profile.interiso_pairs} per dataset), averaged over SciFact and NFCorpus. Delta = "
               "anisotropic module minus isotropic module.", "", *t3, "",
+              "## Each module alone (cf. 001 Table 4's H)", "",
+              "nDCG@10 of each module's own score (HIL: L and H after z-scoring; ColBERT-lambda: the iso and aniso "
+              "models) and of their sum, which is what the model ranks by.", "", *tm, "",
               "## Table 5: HIL ablation", "",
               "Differences in parentheses are against HIL without both regularizers. 001 reports MS MARCO dev "
               "full ranking in the first column; here the in-domain column is TREC DL19 re-ranking.", "", *t5, ""]
@@ -314,7 +381,7 @@ def write_report(out: Path, profile: Profile, *, command: str = "", elapsed_s: f
         lines += _table(["Variant", "training minutes"], rows) + [""]
     rows = []
     for key, models in results.items():
-        for name, record in models.items():
+        for name, record in sorted(models.items(), key=lambda item: _order(item[0])):
             timing = record.get("timings")
             if timing:
                 rows.append([DATASET_LABELS[key], label(name), f"{timing['encode_s']:.0f}",
@@ -331,5 +398,5 @@ def write_report(out: Path, profile: Profile, *, command: str = "", elapsed_s: f
     tmp.replace(report)
     write_json_atomic(out / "summary.json", provenance(
         profile.budget(), command=command, machine=host, versions=versions(), statistics=stats,
-        table2=summary2, table3=summary3, table5=summary5, figures=made, training=training, sizes=sizes))
+        table2=summary2, table3=summary3, table5=summary5, modules=summary_modules, figures=made, training=training, sizes=sizes))
     return report
