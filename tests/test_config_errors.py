@@ -75,6 +75,7 @@ def test_tokenizer_without_the_marker_token(shared_dir, tmp_path, capsys):
     code, line = run_cli(tmp_path, capsys, "--config", config)
     assert code == 2
     assert "[no-such-token]" in line and "query_marker" in line and "unused vocabulary token" in line
+    assert "model.init_args.query_marker" in line
 
 
 def test_missing_data_file(shared_dir, tmp_path, capsys):
