@@ -96,7 +96,10 @@ def _encoder(cfg: dict[str, Any], source: str | None = None) -> Any:
 def _document_encoder(encoder: Any, mode: str, calibration: list[str]) -> Any:
     if mode == "fp32":
         return encoder
-    from hil.retrieval.fast_encode import quantized_document_encoder
+    from hil.retrieval.fast_encode import compiled_document_encoder, quantized_document_encoder
+
+    if mode == "compile":
+        return compiled_document_encoder(encoder)
 
     return quantized_document_encoder(encoder, mode, calibration_texts=calibration)
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from hil.retrieval.fast_encode import (SmoothedLinear, activation_ranges, quantized_document_encoder,
-                                       smooth_backbone)
+from hil.retrieval.fast_encode import (SmoothedLinear, activation_ranges, compiled_document_encoder,
+                                       quantized_document_encoder, smooth_backbone)
 from hil.retrieval.index import TokenIndex, build_index, encode_document_tokens, eval_mode, open_or_build_index
 
 TEXTS = ["the protein binds the receptor in mouse cells", "vaccine dose and trial results, 2020.",
@@ -62,3 +62,15 @@ def test_index_records_quantized_documents_and_rebuilds_on_change(tiny_random_co
     assert "document_encoding" not in plain.meta
     np.testing.assert_allclose(np.asarray(plain.embeddings["colbert"], dtype=np.float32),
                                vectors(tiny_random_colbert, texts), atol=2e-3)
+
+
+def test_compiled_encoder_gives_the_eager_vectors_and_leaves_the_original_alone(tiny_random_colbert, tmp_path):
+    backbone = tiny_random_colbert.backbone
+    compiled = compiled_document_encoder(tiny_random_colbert)
+    assert tiny_random_colbert.backbone is backbone and compiled.backbone is not backbone
+    np.testing.assert_allclose(vectors(compiled, TEXTS), vectors(tiny_random_colbert, TEXTS), atol=1e-4)
+    ids = [f"d{i}" for i in range(len(TEXTS))]
+    index = build_index(tiny_random_colbert, ids, TEXTS, tmp_path / "idx", quantize="compile", progress=False)
+    assert index.meta["document_encoding"]["quantize"] == "compile"
+    np.testing.assert_allclose(np.asarray(index.embeddings["colbert"], dtype=np.float32),
+                               vectors(tiny_random_colbert, TEXTS), atol=2e-3)
