@@ -82,6 +82,14 @@ def colbert_modules(shared_dir):
     return modules
 
 
+def assert_finite_on_every_degenerate_batch(module) -> None:
+    for name, batch in DEGENERATE_BATCHES.items():
+        try:
+            assert_finite_step(module, batch)
+        except AssertionError as error:
+            raise AssertionError(f"batch {name!r}: {error}") from error
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("regularizer", ["none", "interiso", "cosreg", "istar"])
 @pytest.mark.parametrize("in_batch, mode", [(False, "train"), (True, "eval")])  # eval: exactly equal embeddings
@@ -89,11 +97,7 @@ def test_colbert_loss_is_finite_on_degenerate_batches(colbert_modules, regulariz
     module = colbert_modules[regularizer]
     module.hparams.in_batch_negatives = in_batch
     module.train(mode == "train")
-    for name, batch in DEGENERATE_BATCHES.items():
-        try:
-            assert_finite_step(module, batch)
-        except AssertionError as error:
-            raise AssertionError(f"batch {name!r}: {error}") from error
+    assert_finite_on_every_degenerate_batch(module)
 
 
 @pytest.mark.integration
@@ -138,11 +142,7 @@ def test_hil_loss_is_finite_with_zero_variance_scores(shared_dir, mode):
     torch.manual_seed(0)
     module = hil.HILModule(backbone="bert-tiny-splade", dim=16, query_maxlen=8, doc_maxlen=32, idf_source="none")
     module.train(mode == "train")
-    for name, batch in DEGENERATE_BATCHES.items():
-        try:
-            assert_finite_step(module, batch)
-        except AssertionError as error:
-            raise AssertionError(f"batch {name!r}: {error}") from error
+    assert_finite_on_every_degenerate_batch(module)
 
 
 # -- bf16 ------------------------------------------------------------------------------------------------------------

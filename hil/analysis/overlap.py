@@ -14,7 +14,8 @@ from typing import Any, Mapping, Sequence
 from hil.evaluation.runs import ranked
 
 
-def _shares(only_a: int, only_b: int, both: int, heads: Sequence[str]) -> dict[str, Any]:
+def overlap_shares(only_a: int, only_b: int, both: int, heads: Sequence[str]) -> dict[str, Any]:
+    """Counts and shares of documents found by only head a, only head b, or both (the Fig. 3 record)."""
     total = only_a + only_b + both
     share = (lambda n: n / total) if total else (lambda n: 0.0)  # noqa: E731
     a, b = heads
@@ -32,7 +33,7 @@ def candidate_overlap(stats: Mapping[str, Any], heads: Sequence[str]) -> dict[st
     if not counts:
         raise ValueError("candidate_overlap: the search stats have no 'candidate_sources' (not a full ranking?)")
     a, b = heads
-    return _shares(int(counts.get(a, 0)), int(counts.get(b, 0)), int(counts.get(f"{a}+{b}", 0)), heads)
+    return overlap_shares(int(counts.get(a, 0)), int(counts.get(b, 0)), int(counts.get(f"{a}+{b}", 0)), heads)
 
 
 def ranked_overlap(run: Mapping[str, Mapping[str, float]], sources: Mapping[str, Mapping[str, Sequence[str]]],
@@ -52,4 +53,4 @@ def ranked_overlap(run: Mapping[str, Mapping[str, float]], sources: Mapping[str,
                 only_b += 1
             elif origin == {a, b}:
                 both += 1
-    return {**_shares(only_a, only_b, both, heads), "k": k}
+    return {**overlap_shares(only_a, only_b, both, heads), "k": k}

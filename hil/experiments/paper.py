@@ -43,6 +43,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from hil.analysis.overlap import overlap_shares
 from hil.data.beir import BeirDataset, load_beir, load_dl19_pool
 from hil.evaluation.pipeline import evaluate_bm25, score_run
 from hil.evaluation.runs import write_trec_run
@@ -167,9 +168,7 @@ def head_overlap(heads: dict[str, np.ndarray], depth: int) -> dict[str, Any] | N
         both += len(top_a & top_b)
         only_a += len(top_a - top_b)
         only_b += len(top_b - top_a)
-    total = only_a + only_b + both
-    return {"heads": [a, b], f"only_{a}": only_a, f"only_{b}": only_b, "both": both, "total": total,
-            "share_both": both / total if total else 0.0, "depth": depth}
+    return {**overlap_shares(only_a, only_b, both, (a, b)), "depth": depth}
 
 
 def module_metrics(dataset: BeirDataset, qids: list[str], doc_ids: list[str], heads: dict[str, np.ndarray],
