@@ -4,7 +4,8 @@ One command prints a table and writes JSON (``bench/results/<name>.json`` or ``-
 
     HIL_DATA_DIR=../shared/data HIL_MODELS_DIR=../shared/models python bench/run.py --name scifact-minilm
     python bench/run.py --quick                       # < 3 min: 256 documents, 40 queries, no growth/peer
-    python bench/run.py --sections encode,peer --docs 512 --peer-python /tmp/pylate-venv/bin/python
+    python bench/run.py --sections encode,peer --encode-variants fp32,onnx-int8 --peer-python /tmp/pylate-venv/bin/python
+    python bench/run.py --sections search --index-variants flat-onnx-int8 --export runs/demo/export
 
 Every section runs in a fresh child process, so each peak resident memory figure (``ru_maxrss``) belongs to that
 section alone. Timings on a shared machine are noisy: variants that are compared are measured in the same child,
@@ -14,12 +15,15 @@ the JSON beside it, with package versions and the machine.
 Sections (``--sections``, comma-separated; default all):
     peak    fp32 matrix-multiply GFLOP/s (best and median of repeats) with the benchmark's threads
     encode  documents/s and tokens/s of document encoding, GFLOP/s achieved and its fraction of the peak,
-            for each ``--encode-variants`` (fp32, int8 = SmoothQuant + dynamic int8 Linear layers), and how far
-            each variant's vectors are from fp32 (cosine)
+            for each ``--encode-variants`` (fp32; int8 = PyTorch SmoothQuant + dynamic int8 Linear layers;
+            onnx / onnx-int8 = ONNX Runtime fp32 / int8; compile = torch.compile), and how far each variant's
+            vectors are from fp32 (cosine)
     index   build seconds (encoding and search structures apart), bytes per token, disk bytes, peak RSS, for
             each ``--index-variants`` (flat, plaid, plaid-r2 = 2-bit residuals without fp16 vectors, ...)
     search  full-ranking latency p50/p95 per query (batch of one query, query encoding included) and nDCG@10
-            per index variant, beside exact brute force (its nDCG@10 and time) and BM25's nDCG@10
+            per index variant, beside exact brute force (its nDCG@10 and time) and BM25's nDCG@10; each variant's
+            per-query nDCG@10 difference to exact search over fp32 documents, with a paired bootstrap 95% interval
+            (``flat-int8`` / ``flat-onnx-int8``: exact search over documents encoded that way)
     train   triples/s of ColBERT and ColBERT-HIL training steps at ``--train-batch`` (forward, backward, AdamW)
     memory  peak RSS of index building against ``chunk_docs`` (the memory knob), ``--memory-model``
     growth  the corpus tiled 1x/4x/16x (SciFact repeated with new ids; the encoded vectors are tiled, not
@@ -62,6 +66,8 @@ INDEX_VARIANTS: dict[str, tuple[str, dict[str, Any], str]] = {
     "plaid-r4": ("plaid", {"residual_bits": 4, "keep_embeddings": False}, "fp32"),
     "ivfpq": ("ivfpq", {}, "fp32"),
     "flat-int8": ("flat", {}, "int8"),
+    "flat-onnx-int8": ("flat", {}, "onnx-int8"),
+    "plaid-onnx-int8": ("plaid", {}, "onnx-int8"),
 }
 
 
@@ -94,23 +100,24 @@ def _encoder(cfg: dict[str, Any], source: str | None = None) -> Any:
 
 
 def _document_encoder(encoder: Any, mode: str, calibration: list[str]) -> Any:
-    if mode == "fp32":
-        return encoder
-    from hil.retrieval.fast_encode import compiled_document_encoder, quantized_document_encoder
+    from hil.retrieval.fast_encode import document_encoder
 
-    if mode == "compile":
-        return compiled_document_encoder(encoder)
+    return document_encoder(encoder, None if mode == "fp32" else mode, calibration_texts=calibration)
 
-    return quantized_document_encoder(encoder, mode, calibration_texts=calibration)
+
+def _base_folder(cfg: dict[str, Any], dataset: Any, encoder: Any, encoding: str = "fp32") -> Path:
+    from hil.retrieval.index import encoder_fingerprint
+
+    folder = Path(cfg["work"]) / f"{dataset.name}-{dataset.fingerprint()[:8]}-{encoder_fingerprint(encoder)[:12]}"
+    return folder.with_name(folder.name + ("" if encoding == "fp32" else f"-{encoding}"))
 
 
 def _base_index(cfg: dict[str, Any], dataset: Any, encoder: Any, encoding: str = "fp32") -> tuple[Any, dict]:
     """The fp16 base index of this corpus and encoder under the work folder (built once, then reused), and the
     record of how long its encoding took and how much memory it needed (kept beside it)."""
-    from hil.retrieval.index import encoder_fingerprint, open_or_build_index
+    from hil.retrieval.index import open_or_build_index
 
-    folder = Path(cfg["work"]) / f"{dataset.name}-{dataset.fingerprint()[:8]}-{encoder_fingerprint(encoder)[:12]}"
-    folder = folder.with_name(folder.name + ("" if encoding == "fp32" else f"-{encoding}"))
+    folder = _base_folder(cfg, dataset, encoder, encoding)
     record_path = folder.with_name(folder.name + ".build.json")
     fresh = not (folder / "index.json").is_file()
     tick = time.perf_counter()
@@ -157,10 +164,35 @@ def _variant_index(cfg: dict[str, Any], base: Any, name: str) -> tuple[Any, floa
     return TokenIndex.load(target), seconds
 
 
-def _ndcg(dataset: Any, run: dict[str, dict[str, float]]) -> float:
+def _ndcg(dataset: Any, run: dict[str, dict[str, float]], per_query: bool = False) -> Any:
+    """Mean nDCG@10 of ``run`` (and, with ``per_query``, each query's value)."""
     from hil.evaluation.metrics import evaluate_run
 
-    return float(evaluate_run(dataset.qrels, run, ["ndcg@10"])[0]["ndcg@10"])
+    aggregate, queries = evaluate_run(dataset.qrels, run, ["ndcg@10"])
+    mean = float(aggregate["ndcg@10"])
+    return (mean, {q: float(v["ndcg@10"]) for q, v in queries.items()}) if per_query else mean
+
+
+def _vs_exact(result: dict[str, Any]) -> str:
+    diff = result.get("ndcg10_vs_exact")
+    if not diff:
+        return ""
+    low, high = diff["ci95"]
+    return f" ({diff['mean_diff']:+.4f} vs exact, 95% CI [{low:+.4f}, {high:+.4f}])"
+
+
+def _paired_difference(exact_ndcg_path: Path, per_query: dict[str, float]) -> dict[str, Any] | None:
+    """Mean per-query nDCG@10 difference to exact search, with a paired bootstrap 95% interval and p-value
+    (None before the exact run is saved): whether a variant's change is larger than the queries' noise."""
+    from hil.evaluation.statistics import paired_bootstrap_test
+
+    if not exact_ndcg_path.is_file():
+        return None
+    exact = json.loads(exact_ndcg_path.read_text())
+    test = paired_bootstrap_test(per_query, exact, n_samples=10000, seed=0)
+    changed = sum(abs(per_query[q] - exact[q]) > 1e-9 for q in exact)
+    return {"mean_diff": test.mean_diff, "ci95": list(test.ci), "p_value": test.p_value, "queries": test.n,
+            "queries_changed": int(changed)}
 
 
 def _overlap(exact_path: Path, run: dict[str, dict[str, float]]) -> float | None:
@@ -275,16 +307,22 @@ def section_search(cfg: dict[str, Any]) -> dict[str, Any]:
     queries = _judged_queries(dataset, cfg.get("search_queries"))
     out: dict[str, Any] = {"variant": name, "queries": len(queries), "k": cfg["k"],
                            "model": cfg.get("export") or cfg["model"]}
-    exact_path = base.directory.with_name(base.directory.name + f".exact-top10-{len(queries)}.json")
+    # Exact search over fp32-encoded documents is the reference every variant is compared with.
+    exact_stem = _base_folder(cfg, dataset, encoder).name + f".exact-top10-{len(queries)}"
+    exact_path = Path(cfg["work"]) / f"{exact_stem}.json"
+    exact_ndcg_path = Path(cfg["work"]) / f"{exact_stem}.ndcg10.json"
     if name == "exact" or INDEX_VARIANTS.get(name, ("",))[0] == "flat":  # a flat index is searched exhaustively
         tick = time.perf_counter()
         result = exact_rank(encoder, base, queries, k=cfg["k"], progress=False)
-        out.update(ndcg10=_ndcg(dataset, result.run), ms_per_query_batched=1000 * (time.perf_counter() - tick)
+        ndcg10, per_query = _ndcg(dataset, result.run, per_query=True)
+        out.update(ndcg10=ndcg10, ms_per_query_batched=1000 * (time.perf_counter() - tick)
                    / max(1, len(queries)), document_encoding=base.meta.get("document_encoding"))
         if name == "exact":
             exact_path.write_text(json.dumps({q: list(docs)[:10] for q, docs in result.run.items()}))
+            exact_ndcg_path.write_text(json.dumps(per_query))
         else:
             out["overlap10_vs_exact"] = _overlap(exact_path, result.run)
+            out["ndcg10_vs_exact"] = _paired_difference(exact_ndcg_path, per_query)
     elif name == "v1":  # ColBERT v1 full ranking: flat FAISS token search, ncandidates per query token
         limited = dict(list(queries.items())[: cfg["v1_queries"]])
         run, times, stats = _latencies(encoder, base, limited, cfg["k"], ncandidates=cfg["ncandidates"])
@@ -298,7 +336,9 @@ def section_search(cfg: dict[str, Any]) -> dict[str, Any]:
         index, _ = _variant_index(cfg, base, name)
         options = {k: v for k, v in cfg.get("search_options", {}).items() if v is not None}
         run, times, stats = _latencies(encoder, index, queries, cfg["k"], **options)
-        out.update(percentiles(times), ndcg10=_ndcg(dataset, run), overlap10_vs_exact=_overlap(exact_path, run),
+        ndcg10, per_query = _ndcg(dataset, run, per_query=True)
+        out.update(percentiles(times), ndcg10=ndcg10, overlap10_vs_exact=_overlap(exact_path, run),
+                   ndcg10_vs_exact=_paired_difference(exact_ndcg_path, per_query),
                    candidates_mean=stats.get("candidates_mean"),
                    plaid=stats.get("plaid"), bytes_per_token=index.bytes_per_token(),
                    encode_s=stats.get("encode_s"), ann_s=stats.get("ann_s"), score_s=stats.get("score_s"))
@@ -632,12 +672,12 @@ def table(results: dict[str, Any]) -> str:
             name = label.split(":", 1)[1]
             if "p50_ms" in r:
                 rows.append((f"search {name}", f"p50 {r['p50_ms']:.1f} ms, p95 {r['p95_ms']:.1f} ms",
-                             f"nDCG@10 {_fmt(r.get('ndcg10'), 4)}, top-10 overlap with exact {_fmt(r.get('overlap10_vs_exact'), 3)}; "
-                             f"{r['queries']} queries, "
+                             f"nDCG@10 {_fmt(r.get('ndcg10'), 4)}{_vs_exact(r)}, top-10 overlap with exact "
+                             f"{_fmt(r.get('overlap10_vs_exact'), 3)}; {r['queries']} queries, "
                              f"{_fmt(r.get('candidates_mean'), 0)} docs scored exactly; peak RSS "
                              f"{r['peak_rss_mb']:.0f} MB"))
             else:
-                rows.append((f"search {name}", f"nDCG@10 {r['ndcg10']:.4f}",
+                rows.append((f"search {name}", f"nDCG@10 {r['ndcg10']:.4f}{_vs_exact(r)}",
                              f"exhaustive, {_fmt(r.get('ms_per_query_batched'))} ms/query batched; "
                              f"top-10 overlap with exact {_fmt(r.get('overlap10_vs_exact'), 3)}; "
                              f"{r.get('queries', '')} queries"))

@@ -129,3 +129,23 @@ def test_evaluate_cli_recomputes_hil_idf_on_the_target_corpus(trained, tmp_path)
     assert runs["model"]["fingerprint"] != runs["corpus"]["fingerprint"]
     with pytest.raises(SystemExit, match="needs a model with IDF weights"):
         main(["--model", str(trained("colbert")), "--idf", "corpus", "--output", str(tmp_path / "c"), *common])
+
+
+def test_evaluate_cli_encodes_documents_with_onnx_int8(trained, tmp_path):
+    """``--encode-documents onnx-int8``: the corpus goes through ONNX Runtime int8, in an index folder of its own,
+    and the results record how; the nDCG stays near the fp32 run's on the same slice."""
+    pytest.importorskip("onnxruntime")
+    from hil.evaluation.cli import main
+
+    common = ["--model", str(trained("colbert")), "--dataset", "scifact", "--max-queries", "20", "--max-docs", "150",
+              "--no-bm25", "--no-stats", "--quiet", "--k", "20", "--index-root", str(tmp_path / "indexes")]
+    records = {}
+    for encoding in ("fp32", "onnx-int8"):
+        assert main([*common, "--encode-documents", encoding, "--output", str(tmp_path / encoding)]) == 0
+        records[encoding] = json.loads((tmp_path / encoding / "metrics.json").read_text())
+    (fp32,) = records["fp32"]["results"].values()
+    (int8,) = records["onnx-int8"]["results"].values()
+    assert fp32["document_encoding"] is None
+    assert int8["document_encoding"]["quantize"] == "onnx-int8"
+    assert int8["index_dir"] != fp32["index_dir"] and int8["index_dir"].endswith("-onnx-int8")
+    assert abs(int8["metrics"]["ndcg@10"] - fp32["metrics"]["ndcg@10"]) < 0.05

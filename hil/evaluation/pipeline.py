@@ -43,8 +43,10 @@ def score_run(name: str, dataset: BeirDataset, run: dict[str, dict[str, float]],
     return Evaluation(name, run, aggregate, per_query, details)
 
 
-def default_index_dir(root: str | Path, dataset: BeirDataset, encoder: MultiVectorEncoder) -> Path:
-    return Path(root) / f"{dataset.name}-{dataset.fingerprint()[:8]}" / encoder_fingerprint(encoder)[:12]
+def default_index_dir(root: str | Path, dataset: BeirDataset, encoder: MultiVectorEncoder,
+                      document_encoding: str | None = None) -> Path:
+    folder = Path(root) / f"{dataset.name}-{dataset.fingerprint()[:8]}" / encoder_fingerprint(encoder)[:12]
+    return folder.with_name(f"{folder.name}-{document_encoding}") if document_encoding else folder
 
 
 def evaluate_retriever(encoder: MultiVectorEncoder, dataset: BeirDataset, *, mode: str = "full", k: int = 1000,
@@ -53,10 +55,11 @@ def evaluate_retriever(encoder: MultiVectorEncoder, dataset: BeirDataset, *, mod
                        rerank_depth: int = 100, batch_size: int = 32, metrics=DEFAULT_METRICS,
                        drop_self_matches: bool = True, bm25: Evaluation | None = None,
                        progress: bool = True, name: str | None = None,
-                       keep_candidate_sources: bool = False) -> Evaluation:
+                       keep_candidate_sources: bool = False, document_encoding: str | None = None) -> Evaluation:
     """Evaluate ``encoder`` on ``dataset`` in ``mode``; the index is built once and reused (keyed by fingerprints).
 
-    ``name`` overrides the run's name (default ``<architecture>-<mode>``); ``keep_candidate_sources`` records
+    ``document_encoding`` encodes the corpus through a cheaper encoder (``build_index``'s ``quantize``: e.g.
+    ``"onnx-int8"``; queries keep ``encoder``), in an index folder of its own. ``name`` overrides the run's name (default ``<architecture>-<mode>``); ``keep_candidate_sources`` records
     which heads retrieved every first-stage candidate, not only the ranked documents (full mode).
     """
     if mode not in MODES:
@@ -65,9 +68,10 @@ def evaluate_retriever(encoder: MultiVectorEncoder, dataset: BeirDataset, *, mod
         return bm25 or evaluate_bm25(dataset, k=k, metrics=metrics, drop_self_matches=drop_self_matches)
     started = time.perf_counter()
     index = open_or_build_index(encoder, dataset.doc_ids(), dataset.documents(),
-                                default_index_dir(index_root, dataset, encoder), batch_size=batch_size,
-                                faiss_kind=faiss_kind, faiss_params=faiss_params,
-                                corpus_fingerprint=dataset.fingerprint(), progress=progress)
+                                default_index_dir(index_root, dataset, encoder, document_encoding),
+                                batch_size=batch_size, faiss_kind=faiss_kind, faiss_params=faiss_params,
+                                corpus_fingerprint=dataset.fingerprint(), progress=progress,
+                                **({"quantize": document_encoding} if document_encoding else {}))
     index_seconds = time.perf_counter() - started
     started = time.perf_counter()
     if mode == "full":
@@ -82,6 +86,7 @@ def evaluate_retriever(encoder: MultiVectorEncoder, dataset: BeirDataset, *, mod
     search_seconds = time.perf_counter() - started
     return score_run(name or f"{encoder.architecture}-{mode}", dataset, result.run, metrics, drop_self_matches,
                      mode=mode, index_dir=str(index.directory), index_seconds=round(index_seconds, 3),
+                     document_encoding=index.meta.get("document_encoding"),
                      search_seconds=round(search_seconds, 3), search_stats=result.stats, sources=result.sources)
 
 

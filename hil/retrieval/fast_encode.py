@@ -138,3 +138,42 @@ def compiled_document_encoder(encoder: Any) -> Any:
     compiled.backbone = torch.compile(encoder.backbone, dynamic=True)
     compiled.document_encoding = {"quantize": "compile", "method": "torch.compile (inductor, dynamic shapes), fp32"}
     return compiled
+
+
+DOCUMENT_ENCODINGS = ("compile", "int8", "onnx", "onnx-int8")
+# Raised when a mode's recipe changes what it writes, so that indexes encoded by an older recipe are rebuilt.
+RECIPES = {"compile": 1, "int8": 1, "onnx": 1, "onnx-int8": 2}
+CALIBRATED = ("int8", "onnx-int8")
+
+
+def document_encoding_key(quantize: str | None, calibration_docs: int) -> dict[str, Any] | None:
+    """What an index's recorded ``document_encoding`` must match to be reused for ``quantize``."""
+    if quantize is None:
+        return None
+    key = {"quantize": quantize, "recipe": RECIPES.get(quantize)}
+    if quantize in CALIBRATED:
+        key["calibration_docs"] = calibration_docs
+    return key
+
+
+def document_encoder(encoder: Any, quantize: str | None, *, calibration_texts: Sequence[str] = ()) -> Any:
+    """The encoder that indexing runs documents through for ``quantize`` (one of :data:`DOCUMENT_ENCODINGS`).
+
+    None returns ``encoder`` itself. Every other mode returns a view or copy carrying a ``document_encoding``
+    dict (recorded in the index); ``encoder`` is not modified. ``calibration_texts`` (a few documents of the
+    corpus) are used by ``int8`` and ``onnx-int8``.
+    """
+    if quantize is None:
+        return encoder
+    if quantize not in DOCUMENT_ENCODINGS:
+        raise ValueError(f"quantize must be one of {DOCUMENT_ENCODINGS} (or None), got {quantize!r}")
+    if quantize == "compile":
+        view = compiled_document_encoder(encoder)
+    elif quantize.startswith("onnx"):
+        from hil.retrieval.onnx_encode import onnx_document_encoder
+
+        view = onnx_document_encoder(encoder, quantize, calibration_texts=calibration_texts)
+    else:
+        view = quantized_document_encoder(encoder, quantize, calibration_texts=calibration_texts)
+    view.document_encoding["recipe"] = RECIPES[quantize]
+    return view

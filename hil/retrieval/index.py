@@ -54,12 +54,14 @@ import numpy as np
 import torch
 
 from hil.provenance import fingerprint_strings, provenance, write_json_atomic
+from hil.retrieval.fast_encode import document_encoder as encoder_for_documents, document_encoding_key
 
 logger = logging.getLogger(__name__)
 
 INDEX_FORMAT = "hil-token-index"
 INDEX_FORMAT_VERSION = 1
 INDEX_JSON = "index.json"
+CALIBRATION_DOCS = 32  # documents whose activations calibrate int8 document encoding
 DOC_IDS_JSON = "doc_ids.json"
 DOC_OFFSETS_NPY = "doc_offsets.npy"
 TOKEN_IDS_NPY = "token_ids.npy"
@@ -716,7 +718,7 @@ def build_index(encoder: Any, doc_ids: Sequence[str], texts: Sequence[str], dire
                 batch_size: int = 32, chunk_docs: int = 2048, faiss_kind: str = "flat",
                 faiss_params: dict[str, Any] | None = None, corpus_fingerprint: str | None = None,
                 progress: bool = True, overwrite: bool = False, use_gpu: bool = False,
-                quantize: str | None = None, calibration_docs: int = 32) -> TokenIndex:
+                quantize: str | None = None, calibration_docs: int = CALIBRATION_DOCS) -> TokenIndex:
     """Encode a corpus into a token index at ``directory`` (resumable, finalized atomically; see module docstring).
 
     ``corpus_fingerprint`` defaults to :func:`fingerprint_corpus` of the ids and texts. ``use_gpu`` trains/fills
@@ -727,11 +729,12 @@ def build_index(encoder: Any, doc_ids: Sequence[str], texts: Sequence[str], dire
     the chunks are then streamed into the final memmaps, so ``chunk_docs`` is the memory knob for corpora larger
     than RAM (``bench/README.md`` has measured peak RSS against it).
 
-    ``quantize="compile"`` encodes the documents through ``torch.compile`` (fp32, same vectors; 1.0-1.23x on a CPU
-    in bench/README, after ~30 s of compilation). ``quantize="int8"`` encodes the documents with a SmoothQuant + dynamic-int8 copy of the encoder
-    (:mod:`hil.retrieval.fast_encode`, calibrated on the first ``calibration_docs`` texts): faster on CPUs with
-    int8 instructions, at some cost in fidelity that ``bench/`` measures; queries keep the fp32 encoder. Recorded
-    in ``index.json`` as ``document_encoding``; None (default) encodes with ``encoder`` itself.
+    ``quantize`` picks a cheaper document encoder (queries always keep ``encoder``); recorded in ``index.json`` as
+    ``document_encoding``; None (default) encodes with ``encoder`` itself. Measured in bench/README:
+    ``"onnx-int8"`` (:mod:`hil.retrieval.onnx_encode`: ONNX Runtime, fused layers, int8 matrix products) is the
+    fast one on a CPU, at a small measured cost in nDCG@10; ``"onnx"`` is the same runtime in fp32 (same vectors);
+    ``"int8"`` is PyTorch SmoothQuant + dynamic int8 (:mod:`hil.retrieval.fast_encode`, calibrated on the first
+    ``calibration_docs`` texts); ``"compile"`` is ``torch.compile`` in fp32 (same vectors).
     """
     from tqdm.auto import tqdm
 
@@ -752,18 +755,8 @@ def build_index(encoder: Any, doc_ids: Sequence[str], texts: Sequence[str], dire
     corpus_fp = corpus_fingerprint or fingerprint_corpus(doc_ids, texts)
     encoder_fp = encoder_fingerprint(encoder)
     settings = _json_normalized(encoder.settings())
-    document_encoder, document_encoding = encoder, None
-    if quantize == "compile":
-        from hil.retrieval.fast_encode import compiled_document_encoder
-
-        document_encoder = compiled_document_encoder(encoder)
-        document_encoding = document_encoder.document_encoding
-    elif quantize is not None:
-        from hil.retrieval.fast_encode import quantized_document_encoder
-
-        document_encoder = quantized_document_encoder(encoder, quantize,
-                                                      calibration_texts=list(texts[:max(1, calibration_docs)]))
-        document_encoding = document_encoder.document_encoding
+    document_encoder = encoder_for_documents(encoder, quantize, calibration_texts=list(texts[:max(1, calibration_docs)]))
+    document_encoding = getattr(document_encoder, "document_encoding", None) if quantize is not None else None
 
     build = directory.with_name(directory.name + ".tmp-build")
     chunks = build / CHUNKS_DIR
@@ -866,10 +859,13 @@ def open_or_build_index(encoder: Any, doc_ids: Sequence[str], texts: Sequence[st
             logger.warning("%s; rebuilding it", error)
         else:
             stored = index.faiss_settings
-            wanted_quantize = build_kwargs.get("quantize")
-            if (index.meta.get("document_encoding") or {}).get("quantize") != wanted_quantize:
-                logger.info("%s: documents were encoded with quantize=%s, %s wanted: rebuilding it", directory,
-                            (index.meta.get("document_encoding") or {}).get("quantize"), wanted_quantize)
+            calibration_docs = min(max(1, build_kwargs.get("calibration_docs", CALIBRATION_DOCS)), len(texts))
+            wanted_encoding = document_encoding_key(build_kwargs.get("quantize"), calibration_docs)
+            recorded = index.meta.get("document_encoding") or None
+            if (wanted_encoding is None) != (recorded is None) or wanted_encoding is not None and any(
+                    recorded.get(key) != value for key, value in wanted_encoding.items()):
+                logger.info("%s: documents were encoded with %s, %s wanted: rebuilding it", directory,
+                            recorded, wanted_encoding)
                 return build_index(encoder, doc_ids, texts, directory, faiss_kind=faiss_kind,
                                    faiss_params=faiss_params, corpus_fingerprint=corpus_fp, use_gpu=use_gpu,
                                    overwrite=True, **build_kwargs)
