@@ -31,8 +31,9 @@ Modes (``build_index(..., quantize=...)``):
 
 Choices: the graph is exported once per index build by the TorchScript exporter (``dynamo=False``: its graph is the
 one ONNX Runtime's BERT fusions recognize) from a copy of the backbone switched to eager attention (the SDPA graph
-does not fuse), with batch and length dynamic; opset 17. Only queries' encoder is left untouched: queries keep the
-caller's fp32 PyTorch encoder. Only the CPU execution provider is used (on a GPU, encode with PyTorch in fp16).
+does not fuse), with batch and length dynamic; opset 17. Queries keep the caller's fp32 PyTorch encoder. Only the
+CPU execution provider is used (on a GPU, encode with PyTorch in fp16). The layer fusions are applied to BERT
+graphs (tested on MiniLM and random BERTs); other model types are exported and quantized but run unfused.
 """
 
 from __future__ import annotations
@@ -51,9 +52,8 @@ from torch import Tensor, nn
 ONNX_MODES = ("onnx", "onnx-int8")
 OPSET = 17
 SMOOTHING_ALPHA = 0.8
-# ONNX Runtime's transformer optimizer knows these layer layouts; anything else is run unfused (still correct).
-_FUSION_MODEL_TYPES = {"bert": "bert", "roberta": "bert", "xlm-roberta": "bert", "electra": "bert",
-                       "distilbert": "bert"}
+# Model types whose graphs get ONNX Runtime's BERT fusions; anything else runs unfused (correct, slower).
+_FUSION_MODEL_TYPES = {"bert": "bert"}
 
 
 def _require_onnxruntime() -> Any:
@@ -119,11 +119,11 @@ def onnx_scope(module_name: str) -> str:
 
 
 def feed_forward_outputs(backbone: nn.Module) -> dict[int, str]:
-    """Layer index -> module name of each layer's feed-forward output Linear (BERT, RoBERTa, ELECTRA naming:
-    ``encoder.layer.i.output.dense``; DistilBERT: ``transformer.layer.i.ffn.lin2``); empty for other layouts."""
+    """Layer index -> module name of each layer's feed-forward output Linear (BERT-family naming:
+    ``encoder.layer.i.output.dense``); empty for other layouts, which then keep no layer in fp32."""
     found = {}
     for name, module in backbone.named_modules():
-        match = re.search(r"\.(\d+)\.(output\.dense|ffn\.lin2)$", name)
+        match = re.search(r"\.(\d+)\.output\.dense$", name)
         if match and isinstance(module, nn.Linear) and "attention" not in name:
             found[int(match.group(1))] = name
     return found
@@ -163,7 +163,7 @@ class OnnxBackbone(nn.Module):
     def get_input_embeddings(self) -> nn.Module:
         return self.word_embeddings
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor, **_: Any) -> SimpleNamespace:
+    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> SimpleNamespace:
         feeds = {"input_ids": input_ids.detach().cpu().to(torch.int64).numpy(),
                  "attention_mask": attention_mask.detach().cpu().to(torch.int64).numpy()}
         (hidden,) = self.session.run(None, feeds)
@@ -174,7 +174,7 @@ def onnx_backbone(backbone: nn.Module, mode: str = "onnx-int8", threads: int | N
                   source: nn.Module | None = None, keep_fp32: Sequence[str] = ()) -> OnnxBackbone:
     """Export, fuse and (for ``onnx-int8``) quantize ``source`` (default ``backbone``), leaving the modules named in
     ``keep_fp32`` in fp32; return an :class:`OnnxBackbone` that stands in for ``backbone`` (``source`` may be a
-    smoothed copy of it)."""
+    smoothed copy of it). ``threads``: the session's intra-op threads (default: ``torch.get_num_threads()``)."""
     if mode not in ONNX_MODES:
         raise ValueError(f"ONNX mode must be one of {ONNX_MODES}, got {mode!r}")
     ort = _require_onnxruntime()
