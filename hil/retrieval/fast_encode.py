@@ -16,7 +16,8 @@ Choices: ``alpha = 0.7`` (measured best of 0.5 / 0.7 / 0.85 on MiniLM, SciFact);
 fp32); queries are still encoded by the caller's fp32 encoder. Because activation scales are taken per batch,
 a document's int8 vector depends slightly on the other documents of its batch (batches are deterministic given
 the corpus, so an index is still reproducible). Use only where the measured quality is acceptable: ``bench/``
-reports nDCG@10 and vector cosines against fp32.
+reports nDCG@10 and vector cosines against fp32. On a CPU, ``onnx-int8`` (:mod:`hil.retrieval.onnx_encode`) is both
+faster and closer to fp32 than this module's ``int8`` (bench/README): prefer it where ONNX Runtime is installed.
 """
 
 from __future__ import annotations
