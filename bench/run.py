@@ -555,7 +555,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--queries", type=int, default=None, help="query slice for the corpus subset")
     parser.add_argument("--encode-docs", type=int, default=512, help="documents timed in encode / peer")
     parser.add_argument("--encode-repeats", type=int, default=2)
-    parser.add_argument("--encode-variants", default="fp32,int8")
+    parser.add_argument("--encode-variants", default="fp32,int8,onnx-int8")
     parser.add_argument("--calibration-docs", type=int, default=32, help="int8: documents to calibrate on")
     parser.add_argument("--index-variants", default="flat,plaid,plaid-r2",
                         help=f"comma-separated subset of {tuple(INDEX_VARIANTS)}")

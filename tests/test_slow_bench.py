@@ -34,4 +34,10 @@ def test_bench_quick_runs_every_section(shared_dir, tmp_path):
         row = results[f"search:{variant}"]
         assert 0.0 <= row["ndcg10"] <= 1.0 and 0.0 <= row["overlap10_vs_exact"] <= 1.0
         assert 0 < row["p50_ms"] <= row["p95_ms"]
+        low, high = row["ndcg10_vs_exact"]["ci95"]  # the paired interval against exact search
+        assert low <= row["ndcg10_vs_exact"]["mean_diff"] <= high
+        assert abs(row["ndcg10"] - results["search:exact"]["ndcg10"] - row["ndcg10_vs_exact"]["mean_diff"]) < 1e-9
+    encoded = results["encode"]["variants"]
+    assert set(encoded) == {"fp32", "int8", "onnx-int8"}
+    assert encoded["onnx-int8"]["cosine_to_fp32_mean"] > 0.99 and encoded["onnx-int8"]["docs_per_s"] > 0
     assert "search plaid" in completed.stdout  # the table is printed
