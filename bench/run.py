@@ -4,7 +4,8 @@ One command prints a table and writes JSON (``bench/results/<name>.json`` or ``-
 
     HIL_DATA_DIR=../shared/data HIL_MODELS_DIR=../shared/models python bench/run.py --name scifact-minilm
     python bench/run.py --quick                       # < 3 min: 256 documents, 40 queries, no growth/peer
-    python bench/run.py --sections encode,peer --encode-variants fp32,onnx-int8 --peer-python /tmp/pylate-venv/bin/python
+    python bench/run.py --sections encode,peer --encode-variants fp32,onnx-int8 \
+        --peer-python /tmp/pylate-venv/bin/python
     python bench/run.py --sections search --index-variants flat-onnx-int8 --export runs/demo/export
 
 Every section runs in a fresh child process, so each peak resident memory figure (``ru_maxrss``) belongs to that

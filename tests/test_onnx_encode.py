@@ -21,6 +21,8 @@ from hil.retrieval.onnx_encode import onnx_document_encoder  # noqa: E402
 TEXTS = ["the protein binds the receptor in mouse cells", "vaccine dose and trial results, 2020.",
          "brain tumor growth is slowed by the therapy and by nothing else at all in this long sentence",
          "insulin signal in the liver", "heart and lung risk in older patients", "a"] * 2
+IDS = [f"d{i}" for i in range(len(TEXTS))]
+DOCS = [f"{t} {i}" for i, t in enumerate(TEXTS)]  # distinct texts, as a corpus has
 WORDS = ["cell", "gene", "the", "of", "protein", "risk", "trial", "2020", ",", "virus", "dose", "liver"]
 
 
@@ -120,14 +122,12 @@ def test_hil_encoder_runs_both_heads_through_onnx(hf_tokenizer):
 
 
 def test_index_records_the_onnx_encoding(colbert, tmp_path):
-    ids = [f"d{i}" for i in range(len(TEXTS))]
-    texts = [f"{t} {i}" for i, t in enumerate(TEXTS)]
-    index = build_index(colbert, ids, texts, tmp_path / "idx", quantize="onnx-int8", calibration_docs=4,
+    index = build_index(colbert, IDS, DOCS, tmp_path / "idx", quantize="onnx-int8", calibration_docs=4,
                         progress=False)
     assert index.meta["document_encoding"]["quantize"] == "onnx-int8"
     assert TokenIndex.load(tmp_path / "idx").meta["document_encoding"]["method"].startswith("onnxruntime")
     stored = np.asarray(index.embeddings["colbert"], dtype=np.float32)
-    reference = vectors(colbert, texts, batch_size=32)
+    reference = vectors(colbert, DOCS, batch_size=32)
     assert stored.shape == reference.shape
     assert (stored * reference).sum(axis=1).mean() > 0.98
 
@@ -151,11 +151,8 @@ def test_index_is_rebuilt_when_the_encoding_recipe_or_calibration_changes(colber
     real_build = index_module.build_index
     monkeypatch.setattr(index_module, "build_index", lambda *a, **k: builds.append(k.get("quantize")) or
                         real_build(*a, **k))
-    ids = [f"d{i}" for i in range(len(TEXTS))]
-    texts = [f"{t} {i}" for i, t in enumerate(TEXTS)]
-
     def index(**options):
-        return index_module.open_or_build_index(colbert, ids, texts, tmp_path / "idx", progress=False, **options)
+        return index_module.open_or_build_index(colbert, IDS, DOCS, tmp_path / "idx", progress=False, **options)
 
     assert index(quantize="onnx").meta["document_encoding"]["recipe"] == fast_encode.RECIPES["onnx"]
     index(quantize="onnx")  # default calibration (32) on a 12-document corpus records 12: still reused
@@ -163,7 +160,7 @@ def test_index_is_rebuilt_when_the_encoding_recipe_or_calibration_changes(colber
     monkeypatch.setitem(fast_encode.RECIPES, "onnx", fast_encode.RECIPES["onnx"] + 1)
     index(quantize="onnx")
     assert builds == ["onnx", "onnx"]
-    assert index(quantize="onnx-int8").meta["document_encoding"]["calibration_docs"] == len(texts)
+    assert index(quantize="onnx-int8").meta["document_encoding"]["calibration_docs"] == len(DOCS)
     index(quantize="onnx-int8")
     assert builds == ["onnx", "onnx", "onnx-int8"]
     index(quantize="onnx-int8", calibration_docs=4)

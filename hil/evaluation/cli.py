@@ -44,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--encode-documents", choices=("fp32", *DOCUMENT_ENCODINGS), default="fp32",
                         help="how the corpus is encoded (queries stay fp32): onnx-int8 = ONNX Runtime with int8 "
                              "matrix products, ~2x PyLate's speed on a CPU (bench/README has its nDCG@10 cost); "
-                             "onnx = the same runtime in fp32; int8 = PyTorch SmoothQuant int8; compile = torch.compile")
+                             "onnx = the same runtime in fp32; int8 = PyTorch SmoothQuant int8; "
+                             "compile = torch.compile")
     parser.add_argument("--index-root", default="indexes")
     parser.add_argument("--output", default=None, help="results folder (default results/<dataset>/<model>)")
     parser.add_argument("--batch-size", type=int, default=32)

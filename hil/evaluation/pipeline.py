@@ -59,8 +59,9 @@ def evaluate_retriever(encoder: MultiVectorEncoder, dataset: BeirDataset, *, mod
     """Evaluate ``encoder`` on ``dataset`` in ``mode``; the index is built once and reused (keyed by fingerprints).
 
     ``document_encoding`` encodes the corpus through a cheaper encoder (``build_index``'s ``quantize``: e.g.
-    ``"onnx-int8"``; queries keep ``encoder``), in an index folder of its own. ``name`` overrides the run's name (default ``<architecture>-<mode>``); ``keep_candidate_sources`` records
-    which heads retrieved every first-stage candidate, not only the ranked documents (full mode).
+    ``"onnx-int8"``; queries keep ``encoder``), in an index folder of its own. ``name`` overrides the run's name
+    (default ``<architecture>-<mode>``); ``keep_candidate_sources`` records which heads retrieved every
+    first-stage candidate, not only the ranked documents (full mode).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES} (got {mode!r})")

@@ -147,10 +147,10 @@ RECIPES = {"compile": 1, "int8": 1, "onnx": 1, "onnx-int8": 2}
 CALIBRATED = ("int8", "onnx-int8")
 
 
-def document_encoding_key(quantize: str | None, calibration_docs: int) -> dict[str, Any] | None:
-    """What an index's recorded ``document_encoding`` must match to be reused for ``quantize``."""
+def document_encoding_key(quantize: str | None, calibration_docs: int) -> dict[str, Any]:
+    """What an index's recorded ``document_encoding`` must match to be reused for ``quantize`` (empty for None)."""
     if quantize is None:
-        return None
+        return {}
     key = {"quantize": quantize, "recipe": RECIPES.get(quantize)}
     if quantize in CALIBRATED:
         key["calibration_docs"] = calibration_docs

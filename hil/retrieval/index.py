@@ -714,6 +714,11 @@ def _check_corpus(doc_ids: Sequence[str], texts: Sequence[str]) -> None:
         raise TypeError(f"build_index: texts must be strings; positions {bad} are not")
 
 
+def _calibration_texts(texts: Sequence[str], calibration_docs: int) -> list[str]:
+    """The documents a calibrated document encoding (``int8``, ``onnx-int8``) measures its activations on."""
+    return list(texts[:max(1, calibration_docs)])
+
+
 def build_index(encoder: Any, doc_ids: Sequence[str], texts: Sequence[str], directory: str | os.PathLike, *,
                 batch_size: int = 32, chunk_docs: int = 2048, faiss_kind: str = "flat",
                 faiss_params: dict[str, Any] | None = None, corpus_fingerprint: str | None = None,
@@ -755,8 +760,9 @@ def build_index(encoder: Any, doc_ids: Sequence[str], texts: Sequence[str], dire
     corpus_fp = corpus_fingerprint or fingerprint_corpus(doc_ids, texts)
     encoder_fp = encoder_fingerprint(encoder)
     settings = _json_normalized(encoder.settings())
-    document_encoder = encoder_for_documents(encoder, quantize, calibration_texts=list(texts[:max(1, calibration_docs)]))
-    document_encoding = getattr(document_encoder, "document_encoding", None) if quantize is not None else None
+    document_encoder = encoder_for_documents(encoder, quantize,
+                                             calibration_texts=_calibration_texts(texts, calibration_docs))
+    document_encoding = document_encoder.document_encoding if quantize is not None else None
 
     build = directory.with_name(directory.name + ".tmp-build")
     chunks = build / CHUNKS_DIR
@@ -859,10 +865,10 @@ def open_or_build_index(encoder: Any, doc_ids: Sequence[str], texts: Sequence[st
             logger.warning("%s; rebuilding it", error)
         else:
             stored = index.faiss_settings
-            calibration_docs = min(max(1, build_kwargs.get("calibration_docs", CALIBRATION_DOCS)), len(texts))
-            wanted_encoding = document_encoding_key(build_kwargs.get("quantize"), calibration_docs)
-            recorded = index.meta.get("document_encoding") or None
-            if (wanted_encoding is None) != (recorded is None) or wanted_encoding is not None and any(
+            calibration = _calibration_texts(texts, build_kwargs.get("calibration_docs", CALIBRATION_DOCS))
+            wanted_encoding = document_encoding_key(build_kwargs.get("quantize"), len(calibration))
+            recorded = index.meta.get("document_encoding") or {}
+            if bool(recorded) != bool(wanted_encoding) or any(
                     recorded.get(key) != value for key, value in wanted_encoding.items()):
                 logger.info("%s: documents were encoded with %s, %s wanted: rebuilding it", directory,
                             recorded, wanted_encoding)
