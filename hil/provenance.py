@@ -10,11 +10,11 @@ import json
 import os
 import platform
 import subprocess
-import tempfile
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 _PACKAGES = ("hil", "torch", "pytorch-lightning", "transformers", "faiss-cpu", "faiss-gpu-cu12",
              "pytrec-eval-terrier", "bm25s", "numpy")
@@ -62,27 +62,34 @@ def fingerprint_strings(items: Iterable[str]) -> str:
     return digest.hexdigest()[:16]
 
 
-def fingerprint_files(paths: Iterable[str | os.PathLike]) -> str:
-    digest = hashlib.sha256()
-    for path in sorted(Path(p) for p in paths):
-        digest.update(path.name.encode())
-        with open(path, "rb") as handle:
-            for block in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(block)
-    return digest.hexdigest()[:16]
+@contextmanager
+def atomic_output(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; on success it is renamed to ``path``, on error removed.
+
+    Readers never see half a file, and an interrupted writer leaves only a hidden ``.<name>.<pid>.tmp``. The
+    result gets the permissions a plain ``open()`` would give it (0666 & ~umask). Writers that append a suffix
+    of their own (``np.save`` adds ``.npy`` to a bare name) should write to an open handle of the yielded path.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        yield tmp
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def write_json_atomic(path: str | os.PathLike, payload: Any) -> None:
-    """Write JSON to a temporary file in the same folder, then rename: readers never see half a file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", suffix=".tmp",
-                                     delete=False, encoding="utf-8") as handle:
+    """JSON (indented, ``default=str`` for anything else) written through :func:`atomic_output`."""
+    with atomic_output(path) as tmp, open(tmp, "w", encoding="utf-8") as handle:
         json.dump(payload, handle, indent=2, sort_keys=False, default=str)
         handle.write("\n")
-        tmp = handle.name
-    # NamedTemporaryFile creates 0600; give the result the permissions a plain open() would (0666 & ~umask).
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)
-    os.replace(tmp, path)
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    with atomic_output(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from hil.data.datamodule import TriplesDataModule
 from hil.data.idf import IDFTable
-from hil.modeling.encoder import EncodedBatch
+from hil.modeling.contracts import EncodedBatch
 from hil.modeling.hil import HILEncoder, HILModule, RunningMoments
 from hil.modeling.hil_scoring import (batch_moments, hil_token_scores, lexical_query_mask, zscore,
                                       zscored_late_interaction)

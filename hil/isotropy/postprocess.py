@@ -48,7 +48,7 @@ from torch import Tensor, nn
 from hil.provenance import provenance
 
 if TYPE_CHECKING:  # the encoder module pulls in transformers; only transform_encoded needs it, at call time
-    from hil.modeling.encoder import EncodedBatch
+    from hil.modeling.contracts import EncodedBatch
 
 __all__ = [
     "PostTransform", "MomentAccumulator", "Whitening", "RemoveTopPCs", "Standardize", "NICEFlow",
@@ -942,7 +942,7 @@ def transform_encoded(batch: "EncodedBatch", transform: PostTransform,
 
     Positions outside ``batch.mask`` stay zero, as the encoder leaves them.
     """
-    from hil.modeling.encoder import EncodedBatch
+    from hil.modeling.contracts import EncodedBatch
 
     chosen = set(batch.heads) if heads is None else set(heads)
     missing = chosen - set(batch.heads)

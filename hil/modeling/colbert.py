@@ -16,7 +16,8 @@ from torch import Tensor
 
 from hil.isotropy.regularizers import Regularizer
 from hil.modeling.distributed import gather_encoded
-from hil.modeling.encoder import ColBERTEncoder, EncodedBatch
+from hil.modeling.contracts import EncodedBatch
+from hil.modeling.encoder import ColBERTEncoder
 from hil.modeling.module import RetrieverModule
 from hil.modeling.scoring import pairwise_ce_loss
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -20,27 +19,13 @@ from transformers import AutoModel, AutoTokenizer, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
 from hil.data.tokenization import DOC_MARKER, QUERY_MARKER, ColBERTTokenizer, TokenizedBatch
+from hil.modeling.contracts import EncodedBatch, Encoder
 from hil.modeling.scoring import late_interaction, late_interaction_matrix
 from hil.paths import resolve_model
 from hil.provenance import provenance
 
 CONFIG_NAME = "hil_config.json"
 HEADS_NAME = "hil_heads.pt"
-
-
-@dataclass
-class EncodedBatch:
-    """Token embeddings of a batch, one tensor per head, sharing tokens and masks."""
-
-    heads: dict[str, Tensor]  # head name -> (B, L, D), L2-normalized, zero where scoring_mask is False
-    mask: Tensor              # (B, L) bool: tokens that take part in late interaction
-    input_ids: Tensor         # (B, L)
-
-    def __len__(self) -> int:
-        return self.mask.shape[0]
-
-    def select(self, index: Tensor | slice) -> "EncodedBatch":
-        return EncodedBatch({k: v[index] for k, v in self.heads.items()}, self.mask[index], self.input_ids[index])
 
 
 @contextmanager
@@ -70,7 +55,7 @@ def load_backbone(name_or_path: str) -> tuple[PreTrainedModel, Any]:
     return model, tokenizer
 
 
-class MultiVectorEncoder(nn.Module):
+class MultiVectorEncoder(Encoder):
     """Shared plumbing: backbone + tokenizer, encode helpers, settings, export and loading."""
 
     architecture: ClassVar[str]
@@ -113,12 +98,6 @@ class MultiVectorEncoder(nn.Module):
         heads = self.embed(batch, is_query)
         keep = batch.scoring_mask.unsqueeze(-1).to(next(iter(heads.values())).dtype)
         return EncodedBatch({k: v * keep for k, v in heads.items()}, batch.scoring_mask, batch.input_ids)
-
-    def encode_queries(self, texts: list[str]) -> EncodedBatch:
-        return self.encode(self.tokenizer.encode_queries(texts), is_query=True)
-
-    def encode_documents(self, texts: list[str]) -> EncodedBatch:
-        return self.encode(self.tokenizer.encode_documents(texts), is_query=False)
 
     def settings(self) -> dict[str, Any]:
         return {"architecture": self.architecture, "backbone": self.backbone_name, "dim": self.dim,
@@ -183,6 +162,9 @@ class ColBERTEncoder(MultiVectorEncoder):
     def score(self, queries: EncodedBatch, docs: EncodedBatch) -> Tensor:
         return late_interaction_matrix(queries.heads["colbert"].float(), docs.heads["colbert"].float(),
                                        queries.mask, docs.mask)
+
+    def score_heads(self, queries: EncodedBatch, docs: EncodedBatch, all_pairs: bool = True) -> dict[str, Tensor]:
+        return {"colbert": self.score(queries, docs) if all_pairs else self.score_pairs(queries, docs)}
 
     def score_pairs(self, queries: EncodedBatch, docs: EncodedBatch) -> Tensor:
         return late_interaction(queries.heads["colbert"].float(), docs.heads["colbert"].float(),

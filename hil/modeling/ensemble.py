@@ -23,8 +23,9 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor, nn
 
-from hil.data.tokenization import TokenizedBatch
-from hil.modeling.encoder import CONFIG_NAME, EncodedBatch, MultiVectorEncoder, read_export_config
+from hil.data.tokenization import ColBERTTokenizer, TokenizedBatch
+from hil.modeling.contracts import EncodedBatch, Encoder
+from hil.modeling.encoder import CONFIG_NAME, MultiVectorEncoder, read_export_config
 from hil.provenance import provenance, write_json_atomic
 
 MEMBER_HEADS = ("iso", "aniso")
@@ -47,7 +48,7 @@ def _tokenization_mismatch(first: MultiVectorEncoder, second: MultiVectorEncoder
     return None
 
 
-class EnsembleEncoder(nn.Module):
+class EnsembleEncoder(Encoder):
     """ColBERT-lambda: two single-head encoders, one head each (``iso``, ``aniso``), scores added with weights.
 
     Args:
@@ -84,7 +85,7 @@ class EnsembleEncoder(nn.Module):
 
     # -- the encoder surface ---------------------------------------------------------------------------------------
     @property
-    def tokenizer(self):  # noqa: ANN201 - a ColBERTTokenizer, shared by both members
+    def tokenizer(self) -> ColBERTTokenizer:  # shared by both members (they tokenize identically)
         return self.members["iso"].tokenizer
 
     @property
@@ -102,12 +103,6 @@ class EnsembleEncoder(nn.Module):
             heads[name] = encoded.heads[self._member_head(name)]
             mask, input_ids = encoded.mask, encoded.input_ids
         return EncodedBatch(heads, mask, input_ids)
-
-    def encode_queries(self, texts: list[str]) -> EncodedBatch:
-        return self.encode(self.tokenizer.encode_queries(texts), is_query=True)
-
-    def encode_documents(self, texts: list[str]) -> EncodedBatch:
-        return self.encode(self.tokenizer.encode_documents(texts), is_query=False)
 
     def member_view(self, batch: EncodedBatch, name: str) -> EncodedBatch:
         """The part of ``batch`` that member ``name`` scores, under the member's own head name."""

@@ -41,7 +41,8 @@ from hil.data.idf import IDFTable
 from hil.data.tokenization import DOC_MARKER, QUERY_MARKER, TokenizedBatch
 from hil.isotropy.metrics import inter_iso
 from hil.modeling.distributed import pooled_moments
-from hil.modeling.encoder import EncodedBatch, MultiVectorEncoder
+from hil.modeling.contracts import EncodedBatch
+from hil.modeling.encoder import MultiVectorEncoder
 from hil.modeling.hil_scoring import (DEFAULT_EPS, batch_moments, hil_token_scores, lexical_query_mask,
                                       zscored_late_interaction)
 from hil.modeling.module import RetrieverModule

@@ -11,8 +11,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-def _masked_max(sim: Tensor, doc_mask: Tensor | None) -> Tensor:
-    """Max over the last axis, ignoring masked document tokens; a document with no token left scores 0."""
+def masked_max(sim: Tensor, doc_mask: Tensor | None) -> Tensor:
+    """Max over the last axis (document tokens), ignoring entries where ``doc_mask`` (broadcastable to ``sim``)
+    is False; a row with no token left scores 0 (Eq. 1 with an empty document). ``sim`` is overwritten."""
     if doc_mask is None:
         return sim.max(dim=-1).values
     # In place: ``sim`` is a fresh product that the matmul's backward does not need, and it is the largest
@@ -31,7 +32,7 @@ def maxsim(queries: Tensor, docs: Tensor, doc_mask: Tensor | None = None) -> Ten
     queries (B, Lq, D), docs (B, Ld, D), doc_mask (B, Ld) -> (B, Lq).
     """
     sim = torch.einsum("bqd,bkd->bqk", queries, docs)  # (B, Lq, Ld)
-    return _masked_max(sim, None if doc_mask is None else doc_mask[:, None, :])
+    return masked_max(sim, None if doc_mask is None else doc_mask[:, None, :])
 
 
 def maxsim_matrix(queries: Tensor, docs: Tensor, doc_mask: Tensor | None = None) -> Tensor:
@@ -40,7 +41,7 @@ def maxsim_matrix(queries: Tensor, docs: Tensor, doc_mask: Tensor | None = None)
     queries (Bq, Lq, D), docs (Bd, Ld, D), doc_mask (Bd, Ld) -> (Bq, Bd, Lq).
     """
     sim = torch.einsum("qid,bjd->qbij", queries, docs)  # (Bq, Bd, Lq, Ld)
-    return _masked_max(sim, None if doc_mask is None else doc_mask[None, :, None, :])
+    return masked_max(sim, None if doc_mask is None else doc_mask[None, :, None, :])
 
 
 def sum_query_tokens(token_scores: Tensor, query_mask: Tensor | None) -> Tensor:

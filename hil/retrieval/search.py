@@ -19,7 +19,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
-from hil.modeling.encoder import EncodedBatch
+from hil.modeling.contracts import EncodedBatch
 from hil.retrieval.index import TokenStore, encode_document_tokens, eval_mode
 
 # Bound on the (Bq, C, Lq, Lmax) similarity tensor of one ``encoder.score`` call, in fp32 elements (128 MiB).

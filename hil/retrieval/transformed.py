@@ -52,7 +52,7 @@ import torch
 from torch import Tensor, nn
 
 from hil.isotropy.postprocess import PostTransform, TransformPipeline, fit_transform_from_config, load_transform
-from hil.modeling.encoder import EncodedBatch
+from hil.modeling.contracts import EncodedBatch, Encoder
 from hil.provenance import provenance, write_json_atomic
 from hil.retrieval.index import (DOC_IDS_JSON, DOC_OFFSETS_NPY, INDEX_FORMAT, INDEX_FORMAT_VERSION, INDEX_JSON,
                                  TOKEN_IDS_NPY, TokenIndex, TokenStore, encode_document_tokens, encoder_fingerprint,
@@ -115,7 +115,7 @@ def unnormalized_transform(transform: PostTransform, x: Tensor) -> Tensor:
 
 # -- the encoder wrapper ----------------------------------------------------------------------------------------
 
-class TransformedEncoder(nn.Module):
+class TransformedEncoder(Encoder):
     """Any encoder with fitted post-hoc transforms applied to its heads' token vectors (see module docstring).
 
     Presents the encoder surface (``head_names``, ``architecture``, ``tokenizer``, ``device``, ``dim``,
@@ -216,6 +216,9 @@ class TransformedEncoder(nn.Module):
 
     def score_pairs(self, queries: EncodedBatch, docs: EncodedBatch) -> Tensor:
         return self.inner.score_pairs(queries, docs)
+
+    def score_heads(self, queries: EncodedBatch, docs: EncodedBatch, all_pairs: bool = True) -> dict[str, Tensor]:
+        return self.inner.score_heads(queries, docs, all_pairs)
 
     def transform_settings(self) -> dict[str, Any]:
         """What ``settings()["post_transform"]`` holds: spec, mode, per-head settings and parameter fingerprints."""

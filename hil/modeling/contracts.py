@@ -1,0 +1,82 @@
+"""The written contract between models and everything that uses them: ``EncodedBatch`` and ``Encoder``.
+
+Training, indexing, search, evaluation and analysis only ever call the members of :class:`Encoder`; every model
+(``ColBERTEncoder``, ``HILEncoder``), the ColBERT-lambda ``EnsembleEncoder`` and the post-hoc
+``TransformedEncoder`` wrapper subclass it and implement each member themselves (no attribute forwarding), so a
+missing piece is an error at construction, not a surprise deep inside a search. Anything model-specific (HIL's IDF
+table, a backbone to export) is reached through the concrete class, checked with ``isinstance``.
+
+Shapes: B batch, L tokens, D embedding dimension; ``Bq`` queries and ``Bd`` documents when they differ.
+"""
+
+from __future__ import annotations
+
+from abc import ABCMeta, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from hil.data.tokenization import ColBERTTokenizer, TokenizedBatch
+
+
+@dataclass
+class EncodedBatch:
+    """Token embeddings of a batch, one tensor per head, sharing tokens and masks."""
+
+    heads: dict[str, Tensor]  # head name -> (B, L, D), L2-normalized, zero where mask is False
+    mask: Tensor              # (B, L) bool: tokens that take part in late interaction
+    input_ids: Tensor         # (B, L)
+
+    def __len__(self) -> int:
+        return self.mask.shape[0]
+
+    def select(self, index: Tensor | slice) -> "EncodedBatch":
+        return EncodedBatch({k: v[index] for k, v in self.heads.items()}, self.mask[index], self.input_ids[index])
+
+
+class Encoder(nn.Module, metaclass=ABCMeta):
+    """A multi-vector retriever: text -> per-head token embeddings -> relevance scores.
+
+    Attributes every encoder sets: ``architecture`` (the export/registry name), ``head_names`` (the heads whose
+    token vectors are stored and searched, in order), ``dim`` (D of every head) and ``tokenizer`` (ColBERT's
+    query/document conventions; texts are tokenized once for all heads).
+    """
+
+    architecture: str
+    head_names: tuple[str, ...]
+    dim: int
+    tokenizer: ColBERTTokenizer
+
+    @property
+    @abstractmethod
+    def device(self) -> torch.device:
+        """Where the encoder's parameters live (inputs are moved there)."""
+
+    @abstractmethod
+    def encode(self, batch: TokenizedBatch, is_query: bool) -> EncodedBatch:
+        """Token embeddings of an already tokenized batch."""
+
+    def encode_queries(self, texts: Sequence[str]) -> EncodedBatch:
+        return self.encode(self.tokenizer.encode_queries(list(texts)), is_query=True)
+
+    def encode_documents(self, texts: Sequence[str]) -> EncodedBatch:
+        return self.encode(self.tokenizer.encode_documents(list(texts)), is_query=False)
+
+    @abstractmethod
+    def score_heads(self, queries: EncodedBatch, docs: EncodedBatch, all_pairs: bool = True) -> dict[str, Tensor]:
+        """Each head's own score: head -> (Bq, Bd) for every pair, or (B,) for row i with row i (``all_pairs``
+        False). ``score`` combines them; analysis and the paper's per-module tables read them apart."""
+
+    @abstractmethod
+    def score(self, queries: EncodedBatch, docs: EncodedBatch) -> Tensor:
+        """Relevance of every query to every document. -> (Bq, Bd)"""
+
+    @abstractmethod
+    def score_pairs(self, queries: EncodedBatch, docs: EncodedBatch) -> Tensor:
+        """Relevance of query i to document i. -> (B,)"""
+
+    @abstractmethod
+    def settings(self) -> dict[str, Any]:
+        """JSON-able settings that, with the weights, determine every vector and score (recorded in artifacts)."""
