@@ -24,7 +24,8 @@ from pytorch_lightning.cli import LightningArgumentParser, LightningCLI  # noqa:
 from hil.data.datamodule import TriplesDataModule  # noqa: E402
 from hil.data.errors import DataFormatError  # noqa: E402
 from hil.data.tokenization import MarkerTokenError  # noqa: E402
-from hil.modeling.module import NonFiniteLossError, RetrieverModule  # noqa: E402
+from hil.modeling.callbacks import NonFiniteGuard, NonFiniteLossError, StepReseed  # noqa: E402
+from hil.modeling.module import RetrieverModule  # noqa: E402
 
 DEBUG_ENV = "HIL_DEBUG"  # set to 1 for full tracebacks and jsonargparse's usage screens
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -32,7 +33,7 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 USER_ERRORS = (MarkerTokenError, DataFormatError, NonFiniteLossError, MisconfigurationException)
 # A user-facing message when raised by our own code (a missing path, a refused value); elsewhere possibly a bug.
 OWN_ERRORS = (FileNotFoundError, NotADirectoryError, ValueError)
-# Lines of jsonargparse's messages that only repeat that ``model`` is ``RetrieverModule | None`` (subclass mode).
+# Lines of jsonargparse's messages that only repeat that an argument is ``X | None``.
 _UNION_NOISE = ("Does not validate against any of the Union subtypes", "Subtypes:", "Errors:",
                 "- Expected a <class 'NoneType'>", "Given value type:", "Given value:")
 
@@ -81,9 +82,14 @@ class HILArgumentParser(LightningArgumentParser):
 
 
 class HILCLI(LightningCLI):
-    def add_arguments_to_parser(self, parser) -> None:  # noqa: ANN001
+    """LightningCLI over ``RetrieverModule`` and ``TriplesDataModule``, with every run's callbacks as settings:
+    ``step_reseed`` (per-batch reseeding for exact resume) and ``nonfinite_guard`` (``policy: raise | skip``)."""
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument("--export_dir", type=str, default=None,
                             help="after fit, export the model here (from_pretrained-loadable)")
+        parser.add_lightning_class_args(StepReseed, "step_reseed")
+        parser.add_lightning_class_args(NonFiniteGuard, "nonfinite_guard")
 
     def before_instantiate_classes(self) -> None:
         # Unless the config names its own loggers, log to TensorBoard and CSV under default_root_dir.
@@ -105,12 +111,13 @@ class HILCLI(LightningCLI):
 
 
 def train_main(args: list[str] | None = None) -> HILCLI:
-    """``python train.py fit --config configs/colbert.yaml``; any model class deriving RetrieverModule.
+    """``python train.py fit --config configs/colbert.yaml [--config configs/variants/<variant>.yaml]``.
 
     A user-facing error (see the module docstring) exits with ``error: <message>`` on stderr.
     """
     try:
-        return HILCLI(RetrieverModule, TriplesDataModule, subclass_mode_model=True, args=args,
+        # The optimizer and schedule are the model's (``model.optimizer``, ``model.lr_scheduler``): no top-level ones.
+        return HILCLI(RetrieverModule, TriplesDataModule, args=args, auto_configure_optimizers=False,
                       parser_class=HILArgumentParser, save_config_kwargs={"overwrite": True})
     except Exception as error:
         shown = None if os.environ.get(DEBUG_ENV) else user_error(error)

@@ -55,7 +55,7 @@ def test_wrong_type_names_key_and_value(tmp_path, capsys):
 
 
 def test_wrong_type_inside_the_model_names_the_field_without_union_noise(tmp_path, capsys):
-    code, line = run_cli(tmp_path, capsys, "--model.init_args.dim", "abc")
+    code, line = run_cli(tmp_path, capsys, "--model.encoder.init_args.dim", "abc")
     assert code == 2
     assert '"dim"' in line and "abc" in line
     assert "NoneType" not in line and "Union" not in line
@@ -63,7 +63,7 @@ def test_wrong_type_inside_the_model_names_the_field_without_union_noise(tmp_pat
 
 # -- errors raised while building the model or reading data (ours, unwrapped from jsonargparse) --------------------
 def test_missing_model_path_says_where_it_looked(shared_dir, tmp_path, capsys):
-    code, line = run_cli(tmp_path, capsys, "--model.init_args.backbone", "/nonexistent/model")
+    code, line = run_cli(tmp_path, capsys, "--model.encoder.init_args.backbone", "/nonexistent/model")
     assert code == 2
     assert "/nonexistent/model" in line
     assert "not a local model directory" in line and "HIL_MODELS_DIR" in line and "hub" in line
@@ -71,11 +71,11 @@ def test_missing_model_path_says_where_it_looked(shared_dir, tmp_path, capsys):
 
 def test_tokenizer_without_the_marker_token(shared_dir, tmp_path, capsys):
     # From a YAML file: on the command line jsonargparse reads `[no-such-token]` as a YAML list (quote it twice).
-    config = write_config(tmp_path, 'model:\n  init_args:\n    query_marker: "[no-such-token]"\n')
+    config = write_config(tmp_path, 'model:\n  encoder:\n    init_args:\n      query_marker: "[no-such-token]"\n')
     code, line = run_cli(tmp_path, capsys, "--config", config)
     assert code == 2
     assert "[no-such-token]" in line and "query_marker" in line and "unused vocabulary token" in line
-    assert "model.init_args.query_marker" in line
+    assert "model.encoder.init_args.query_marker" in line
 
 
 def test_missing_data_file(shared_dir, tmp_path, capsys):
@@ -94,7 +94,9 @@ def test_malformed_data_file_names_file_and_line(shared_dir, tmp_path, capsys):
 
 @pytest.mark.parametrize("option, value, expected", [
     ("--data.batch_size", "0", "data.batch_size must be >= 1 (got 0)"),
-    ("--model.init_args.on_nonfinite_loss", "explode", "on_nonfinite_loss must be 'raise' or 'skip'"),
+    ("--nonfinite_guard.policy", "explode", "nonfinite_guard.policy"),
+    ("--data.idf_max_docs", "0", "data.idf_max_docs must be >= 1"),
+    ("--model.lr_scheduler.init_args.warmup_steps", "-1", "warmup_steps must be >= 0"),
 ])
 def test_values_refused_by_our_validation(shared_dir, tmp_path, capsys, option, value, expected):
     code, line = run_cli(tmp_path, capsys, option, value)

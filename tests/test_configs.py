@@ -3,6 +3,9 @@ on a SciFact slice; ColBERT-lambda is evaluated from the iso and aniso exports."
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import io
 import json
 import math
 from pathlib import Path
@@ -19,7 +22,11 @@ from hil.modeling.loading import load_encoder
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIGS = sorted(p.stem for p in (REPO / "configs").glob("*.yaml"))
+VARIANTS = sorted(p.stem for p in (REPO / "configs" / "variants").glob("*.yaml"))
+CONFIGS = ["colbert", *VARIANTS]  # the base config alone is ColBERT
+# `train.py fit --config <config> [--config <preset>] --print_config` of every config as main resolved it at commit
+# 21203ed, before configs became a base plus deltas (each variant then a full copy of configs/colbert.yaml).
+BEFORE = json.loads((REPO / "tests" / "fixtures" / "print_config_21203ed.json").read_text())
 PAPER_LAMBDAS = {  # HIL Appendix A.3
     "colbert_iso": ("interiso", 0.4), "colbert_aniso": ("interiso", -0.1),
     "colbert_cosreg_iso": ("cosreg", 0.2), "colbert_cosreg_aniso": ("cosreg", -0.1),
@@ -27,31 +34,91 @@ PAPER_LAMBDAS = {  # HIL Appendix A.3
 }
 HIL_ABLATIONS = {"colbert_hil": (True, True), "colbert_hil_no_reg_l": (False, True),
                  "colbert_hil_no_reg_h": (True, False), "colbert_hil_no_reg": (False, False)}
+REGULARIZER_KINDS = {None: "none", "hil.isotropy.regularizers.InterIsoRegularizer": "interiso",
+                     "hil.isotropy.regularizers.CosRegRegularizer": "cosreg",
+                     "hil.isotropy.regularizers.IStarRegularizer": "istar"}
 
 
-def read_config(name: str) -> dict:
-    with open(REPO / "configs" / f"{name}.yaml", encoding="utf-8") as handle:
-        return yaml.safe_load(handle)
+def config_args(name: str, preset: str | None = None) -> list[str]:
+    args = ["--config", str(REPO / "configs" / "colbert.yaml")]
+    if name != "colbert":
+        args += ["--config", str(REPO / "configs" / "variants" / f"{name}.yaml")]
+    return args + (["--config", str(REPO / "configs" / "presets" / f"{preset}.yaml")] if preset else [])
 
 
-def test_every_paper_variant_has_a_config_with_its_settings():
-    assert set(PAPER_LAMBDAS) | set(HIL_ABLATIONS) | {"colbert"} <= set(CONFIGS)
-    reference = read_config("colbert")
+def print_config(args: list[str]) -> dict:
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer), pytest.raises(SystemExit) as done:
+        train_main(["fit", *args, "--print_config"])
+    assert done.value.code in (0, None)
+    return yaml.safe_load(buffer.getvalue())
+
+
+def as_before(new: dict) -> dict:
+    """A resolved config of today in the layout of 21203ed: one flat ``model.init_args`` of ColBERTModule or
+    HILModule (encoder settings, optimizer, schedule, loss and regularizer settings side by side), the non-finite
+    policy in the model, IDF sourcing in the model, no callbacks group. Anything that moved is checked on the way."""
+    new = copy.deepcopy(new)
+    model, data = new.pop("model"), new.pop("data")
+    assert new.pop("step_reseed") == {"seed": None}
+    encoder = model["encoder"]
+    old = {k: encoder["init_args"][k] for k in ("backbone", "dim", "query_maxlen", "doc_maxlen", "query_marker",
+                                                 "doc_marker", "mask_punctuation")}
+    optimizer, schedule = model["optimizer"], model["lr_scheduler"]
+    assert optimizer["class_path"] == "torch.optim.AdamW" and optimizer["init_args"]["betas"] == [0.9, 0.999]
+    assert not optimizer["init_args"]["amsgrad"] and schedule["class_path"] == "hil.modeling.module.LinearWarmup"
+    old.update(lr=optimizer["init_args"]["lr"], adam_eps=optimizer["init_args"]["eps"],
+               weight_decay=optimizer["init_args"]["weight_decay"], warmup_steps=schedule["init_args"]["warmup_steps"],
+               init_from=model["init_from"], on_nonfinite_loss=new.pop("nonfinite_guard")["policy"])
+    idf = {"idf_source": data.pop("idf_source"), "idf_max_docs": data.pop("idf_max_docs")}
+    if encoder["class_path"] == "hil.modeling.hil.HILEncoder":
+        assert model["loss"]["class_path"] == "hil.modeling.losses.HILLoss" and model["regularizer"] is None
+        assert encoder["init_args"]["idf_source"] is None  # a label the IDF table writes, not a setting
+        old.update(idf, **model["loss"]["init_args"], zscore_momentum=encoder["init_args"]["zscore_momentum"],
+                   zscore_eps=encoder["init_args"]["zscore_eps"])
+        class_path = "hil.modeling.hil.HILModule"
+    else:
+        assert encoder["class_path"] == "hil.modeling.encoder.ColBERTEncoder"
+        loss = model["loss"]["class_path"]
+        assert loss in ("hil.modeling.losses.PairwiseCE", "hil.modeling.losses.InBatchCE")
+        regularizer = model["regularizer"] or {"init_args": {}}
+        reg_args = regularizer["init_args"]
+        old.update(in_batch_negatives=loss.endswith("InBatchCE"),
+                   regularizer=REGULARIZER_KINDS[regularizer.get("class_path")],
+                   reg_weight=reg_args.get("weight", 0.0), reg_zeta=reg_args.get("zeta", 0.2),
+                   reg_shrinkage_target=reg_args.get("shrinkage_target", "identity"),
+                   reg_momentum=reg_args.get("momentum", 0.1))
+        class_path = "hil.modeling.colbert.ColBERTModule"
+    return {**new, "model": {"class_path": class_path, "init_args": old}, "data": data}
+
+
+@pytest.mark.parametrize("key", sorted(BEFORE))
+def test_print_config_resolves_every_variant_as_before(key):
+    """Base config + delta (+ preset) resolves to the settings the full-copy config had, key for key; only the
+    top-level optimizer / lr_scheduler groups (always null, now the model's) are gone."""
+    name, _, preset = key.partition("+")
+    before = {k: v for k, v in BEFORE[key].items() if k not in ("optimizer", "lr_scheduler")}
+    assert as_before(print_config(config_args(name, preset or None))) == before
+
+
+def test_variant_configs_are_short_deltas():
+    assert set(BEFORE) == {f"{name}{suffix}" for name in CONFIGS for suffix in ("", "+cpu", "+smoke")}
+    for name in VARIANTS:
+        lines = [line for line in (REPO / "configs" / "variants" / f"{name}.yaml").read_text().splitlines()
+                 if line.strip() and not line.lstrip().startswith("#")]
+        assert len(lines) <= 15, (name, len(lines))
+
+
+def test_every_paper_variant_has_its_settings():
+    assert set(PAPER_LAMBDAS) | set(HIL_ABLATIONS) <= set(VARIANTS)
     for name in CONFIGS:
-        config = read_config(name)
-        assert config["trainer"]["default_root_dir"] == f"runs/{name}", name
-        assert config["data"] == reference["data"], name
-        assert {k: v for k, v in config["trainer"].items() if k != "default_root_dir"} == \
-            {k: v for k, v in reference["trainer"].items() if k != "default_root_dir"}, name
-        args = config["model"]["init_args"]
+        args = as_before(print_config(config_args(name)))["model"]["init_args"]
         assert (args["query_maxlen"], args["doc_maxlen"], args["lr"], args["dim"]) == (32, 180, 3e-6, 128), name
     for name, (kind, lam) in PAPER_LAMBDAS.items():
-        args = read_config(name)["model"]["init_args"]
+        args = as_before(print_config(config_args(name)))["model"]["init_args"]
         assert (args["regularizer"], args["reg_weight"]) == (kind, lam), name
     for name, (reg_l, reg_h) in HIL_ABLATIONS.items():
-        config = read_config(name)
-        assert config["model"]["class_path"] == "hil.modeling.hil.HILModule"
-        args = config["model"]["init_args"]
+        args = as_before(print_config(config_args(name)))["model"]["init_args"]
         assert (args["reg_weight"], args["reg_l"], args["reg_h"]) == (-0.3, reg_l, reg_h), name
 
 
@@ -68,8 +135,7 @@ def trained(tmp_path_factory, shared_dir):
     def train(name: str) -> Path:
         if name not in exports:
             root = tmp_path_factory.mktemp(name)
-            cli = train_main(["fit", "--config", str(REPO / "configs" / f"{name}.yaml"),
-                              "--config", str(REPO / "configs/presets/smoke.yaml"),
+            cli = train_main(["fit", *config_args(name, "smoke"),
                               "--trainer.default_root_dir", str(root), "--trainer.logger", "false",
                               "--trainer.max_steps", "2", "--trainer.enable_checkpointing", "false",
                               "--trainer.callbacks", "[]", "--data.max_triples", "8", "--data.batch_size", "4",

@@ -110,7 +110,7 @@ def _gather_worker(rank: int, world: int, port: int) -> None:
         assert torch.equal(gathered.mask, ref_mask)
         assert gathered.offset == (0 if rank == 0 else 2 * QUERIES_PER_RANK[0])
 
-        # the loss exactly as ColBERTModule.in_batch_loss computes it (gather_encoded + score + shifted targets)
+        # the loss exactly as losses.InBatchCE computes it (gather_encoded + score + shifted targets)
         everyone, offset = gather_encoded(Batch({"colbert": d}, d_mask, ids))
         assert torch.equal(everyone.input_ids[offset: offset + len(ids), : ids.shape[1]], ids)
         scores = late_interaction_matrix(q, everyone.heads["colbert"], None, everyone.mask)
@@ -201,7 +201,7 @@ def test_cli_ddp_two_cpu_processes(shared_dir, tmp_path):
                "--config", str(REPO / "configs/colbert.yaml"), "--config", str(REPO / "configs/presets/smoke.yaml"),
                "--trainer.default_root_dir", str(tmp_path / "run"), "--trainer.logger", "false",
                "--trainer.strategy", "ddp", "--trainer.accelerator", "cpu", "--trainer.devices", "2",
-               "--trainer.max_steps", "2", "--model.init_args.in_batch_negatives", "true",
+               "--trainer.max_steps", "2", "--model.loss", "hil.modeling.losses.InBatchCE",
                "--trainer.callbacks+=test_faults.RecordBatches", f"--trainer.callbacks.out_dir={records_dir}"]
     env = subprocess_env()
     env["OMP_NUM_THREADS"] = "1"

@@ -3,7 +3,8 @@
 The resume test compares a killed-and-resumed run with an uninterrupted one step by step: same batches, same
 weights after every step, and identical final weights, optimizer and scheduler state (``torch.equal``). What makes
 that hold is in ``hil.data.datamodule`` (the loader's position is the prefix of the epoch's permutation consumed,
-checkpointed) and ``hil.modeling.module`` (dropout is reseeded from (seed, epoch, batch, rank) before each batch).
+checkpointed) and ``hil.modeling.callbacks.StepReseed`` (dropout is reseeded from (seed, epoch, batch, rank) before
+each batch).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -23,7 +25,10 @@ import torch
 from torch import nn
 
 from hil.data.datamodule import EpochShuffleSampler, ResumableDataLoader, TriplesDataModule
-from hil.modeling.module import NonFiniteLossError, RetrieverModule, step_seed
+from hil.modeling.callbacks import NonFiniteGuard, NonFiniteLossError, step_seed
+from hil.modeling.encoder import ColBERTEncoder
+from hil.modeling.losses import LossOutput, PairwiseCE
+from hil.modeling.module import RetrieverModule
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
@@ -272,37 +277,33 @@ def test_loader_iteration_leaves_the_global_rng_alone(tmp_path):
 
 
 # -- non-finite losses and gradients ---------------------------------------------------------------------------------
-class ToyEncoder(nn.Module):
-    def __init__(self):
+class NaNOnCue(PairwiseCE):
+    """ColBERT's pairwise loss, made NaN (or given a NaN gradient with a finite value) at chosen global steps."""
+
+    def __init__(self, nan_loss_at: tuple[int, ...] = (), nan_grad_at: tuple[int, ...] = ()):
         super().__init__()
-        self.linear = nn.Linear(4, 1)
+        self.nan_loss_at, self.nan_grad_at = nan_loss_at, nan_grad_at
+        self.step = 0  # one call per optimizer step (no accumulation in these tests)
 
-    def settings(self) -> dict:
-        return {"architecture": "toy"}
-
-
-class ToyRetriever(RetrieverModule):
-    """A RetrieverModule with a 5-parameter 'encoder' and a loss that goes NaN (or has NaN gradients) on cue."""
-
-    def __init__(self, on_nonfinite_loss: str = "raise", nan_loss_at: tuple[int, ...] = (),
-                 nan_grad_at: tuple[int, ...] = (), lr: float = 0.1, weight_decay: float = 0.0,
-                 adam_eps: float = 1e-8, warmup_steps: int = 0, init_from: str | None = None):
-        super().__init__(lr=lr, on_nonfinite_loss=on_nonfinite_loss)
-        self.save_hyperparameters()
-        torch.manual_seed(0)
-        self.encoder = ToyEncoder()
-
-    def compute_loss(self, batch):
-        features = torch.tensor([[len(q), len(p), len(n), 1.0] for q, p, n in
-                                 zip(batch["queries"], batch["positives"], batch["negatives"])]) / 10
-        late = self.encoder.linear(features).pow(2).mean()
-        reg = torch.zeros(())
-        if self.global_step in self.hparams.nan_loss_at:
-            late = late * float("nan")
-        if self.global_step in self.hparams.nan_grad_at:
+    def forward(self, encoder, batch):
+        out = super().forward(encoder, batch)
+        loss = out.loss
+        if self.step in self.nan_loss_at:
+            loss = loss * float("nan")
+        if self.step in self.nan_grad_at:
             # finite value (0), NaN gradient: d sqrt(u)/du is inf at u = 0, times du/dw = 0
-            reg = 0.0 * torch.sqrt(self.encoder.linear.weight.sum() * 0.0)
-        return late + reg, {"loss_late": late.detach(), "loss_reg": reg.detach()}
+            loss = loss + 0.0 * torch.sqrt(encoder.linear.weight.sum() * 0.0)
+        self.step += 1
+        return LossOutput(loss, out.parts)
+
+
+def toy_module(hf_tokenizer, **cues) -> RetrieverModule:
+    from conftest import random_bert
+
+    torch.manual_seed(0)
+    encoder = ColBERTEncoder("random-bert", dim=8, query_maxlen=8, doc_maxlen=12,
+                             _loaded=(random_bert(hidden=16), hf_tokenizer))
+    return RetrieverModule(encoder, NaNOnCue(**cues), optimizer=partial(torch.optim.AdamW, lr=0.1))
 
 
 class WeightsPerStep(pl.Callback):
@@ -317,32 +318,34 @@ class WeightsPerStep(pl.Callback):
         self.after[trainer.global_step - 1] = pl_module.encoder.linear.weight.detach().clone()
 
 
-def toy_fit(tmp_path: Path, model: ToyRetriever, steps: int = 4, **trainer_kwargs) -> pl.Trainer:
+def toy_fit(tmp_path: Path, model: RetrieverModule, steps: int = 4, policy: str = "raise",
+            callbacks: tuple = ()) -> tuple[pl.Trainer, NonFiniteGuard]:
     tmp_path.mkdir(parents=True, exist_ok=True)
     data = TriplesDataModule(triples=str(write_triples(tmp_path / "toy.tsv", 16)), batch_size=4, seed=1)
+    guard = NonFiniteGuard(policy)
     trainer = pl.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
-                         **trainer_kwargs)
+                         callbacks=[guard, *callbacks])
     trainer.fit(model, data)
-    return trainer
+    return trainer, guard
 
 
-def test_nonfinite_loss_stops_with_step_and_parts(tmp_path):
+def test_nonfinite_loss_stops_with_step_and_parts(tmp_path, hf_tokenizer):
     with pytest.raises(NonFiniteLossError) as error:
-        toy_fit(tmp_path, ToyRetriever(nan_loss_at=(2,)))
+        toy_fit(tmp_path, toy_module(hf_tokenizer, nan_loss_at=(2,)))
     message = str(error.value)
     assert "non-finite loss nan at global step 2" in message and "batch 2" in message
-    assert "loss_late=nan" in message and "loss_reg=0" in message
-    assert "on_nonfinite_loss=skip" in message  # says what to change
+    assert "loss_late=" in message and "pair_accuracy=" in message and "inter_iso=" in message
+    assert "nonfinite_guard.policy=skip" in message  # says what to change
 
 
-def test_nonfinite_loss_skip_keeps_training_and_counts(tmp_path):
+def test_nonfinite_loss_skip_keeps_training_and_counts(tmp_path, hf_tokenizer):
     record = WeightsPerStep()
-    model = ToyRetriever(on_nonfinite_loss="skip", nan_loss_at=(1, 3))
+    model = toy_module(hf_tokenizer, nan_loss_at=(1, 3))
     with pytest.warns(UserWarning, match="skipping batch: non-finite loss nan at global step 1"):
-        trainer = toy_fit(tmp_path, model, steps=5, callbacks=[record])
+        trainer, guard = toy_fit(tmp_path, model, steps=5, policy="skip", callbacks=(record,))
     assert trainer.global_step == 5
-    assert model.nonfinite_skipped == 2
+    assert guard.skipped == 2
     assert float(trainer.logged_metrics["train/nonfinite_skipped"]) == 2.0
     for step in range(5):
         unchanged = torch.equal(record.before[step], record.after[step])
@@ -353,35 +356,43 @@ def test_nonfinite_loss_skip_keeps_training_and_counts(tmp_path):
     assert {int(s["step"]) for s in state.values()} == {3}
     # the count survives a checkpoint
     trainer.save_checkpoint(tmp_path / "skip.ckpt")
-    restored = ToyRetriever(on_nonfinite_loss="skip")
-    restored.on_load_checkpoint(torch.load(tmp_path / "skip.ckpt", weights_only=False))
-    assert restored.nonfinite_skipped == 2
+    restored = NonFiniteGuard("skip")
+    (saved,) = [v for k, v in torch.load(tmp_path / "skip.ckpt", weights_only=False)["callbacks"].items()
+                if k.startswith("NonFiniteGuard")]
+    restored.load_state_dict(saved)
+    assert restored.skipped == 2
 
 
-def test_nonfinite_gradient_of_a_finite_loss(tmp_path):
+def test_nonfinite_gradient_of_a_finite_loss(tmp_path, hf_tokenizer):
     with pytest.raises(NonFiniteLossError, match="non-finite gradient at global step 1"):
-        toy_fit(tmp_path / "raise", ToyRetriever(nan_grad_at=(1,)))
+        toy_fit(tmp_path / "raise", toy_module(hf_tokenizer, nan_grad_at=(1,)))
     record = WeightsPerStep()
-    model = ToyRetriever(on_nonfinite_loss="skip", nan_grad_at=(1,))
+    model = toy_module(hf_tokenizer, nan_grad_at=(1,))
     with pytest.warns(UserWarning, match="skipping step: non-finite gradient"):
-        toy_fit(tmp_path / "skip", model, steps=3, callbacks=[record])
-    assert model.nonfinite_skipped == 1
+        _, guard = toy_fit(tmp_path / "skip", model, steps=3, policy="skip", callbacks=(record,))
+    assert guard.skipped == 1
     assert torch.equal(record.before[1], record.after[1]) and not torch.equal(record.before[2], record.after[2])
     assert torch.isfinite(model.encoder.linear.weight).all()
+
+
+def test_guard_policy_is_checked():
+    with pytest.raises(ValueError, match="'raise' or 'skip'"):
+        NonFiniteGuard("explode")
 
 
 @pytest.mark.integration
 def test_cli_reports_a_nonfinite_loss_in_one_line(shared_dir, tmp_path, capsys, monkeypatch):
     from hil.cli import train_main
-    from hil.modeling.colbert import ColBERTModule
 
-    original = ColBERTModule.compute_loss
+    calls = []
+    original = PairwiseCE.forward
 
-    def nan_at_step_1(self, batch):
-        loss, parts = original(self, batch)
-        return (loss * float("nan"), parts) if self.global_step == 1 else (loss, parts)
+    def nan_at_step_1(self, encoder, batch):
+        out = original(self, encoder, batch)
+        calls.append(1)
+        return LossOutput(out.loss * float("nan"), out.parts) if len(calls) == 2 else out
 
-    monkeypatch.setattr(ColBERTModule, "compute_loss", nan_at_step_1)
+    monkeypatch.setattr(PairwiseCE, "forward", nan_at_step_1)
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:
         train_main(["fit", "--config", str(REPO / "configs/colbert.yaml"), "--config",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import pytest
 import pytorch_lightning as pl
@@ -15,10 +16,12 @@ from hypothesis import strategies as st
 from hil.data.datamodule import TriplesDataModule
 from hil.data.idf import IDFTable
 from hil.modeling.contracts import EncodedBatch
-from hil.modeling.hil import HILEncoder, HILModule, RunningMoments
+from hil.modeling.hil import HILEncoder, RunningMoments
 from hil.modeling.hil_scoring import (batch_moments, hil_token_scores, lexical_query_mask, zscore,
                                       zscored_late_interaction)
 from hil.modeling.loading import load_encoder
+from hil.modeling.losses import HILLoss
+from hil.modeling.module import RetrieverModule
 
 TRIPLES = "msmarco/triples.train.small.head1000.tsv"
 QUERIES = ["what causes fever", "effects of caffeine on sleep", "cat"]
@@ -275,7 +278,7 @@ def test_state_dict_holds_buffers_and_export_roundtrip(encoder, tmp_path):
 
 
 def test_search_over_an_index_scores_like_the_encoder(encoder, tmp_path):
-    from hil.retrieval.index import build_index
+    from hil.retrieval.builder import build_index
     from hil.retrieval.search import exact_rank, rerank
 
     doc_ids = [f"d{i}" for i in range(len(DOCS))]
@@ -299,10 +302,16 @@ def test_search_over_an_index_scores_like_the_encoder(encoder, tmp_path):
 pytest_integration = pytest.mark.integration
 
 
+def hil_module(**encoder_settings) -> RetrieverModule:
+    encoder = HILEncoder(backbone="bert-tiny-splade", **{"dim": 16, "query_maxlen": 12, "doc_maxlen": 24,
+                                                         **encoder_settings})
+    return RetrieverModule(encoder, HILLoss(), optimizer=partial(torch.optim.AdamW, lr=1e-3))
+
+
 @pytest_integration
 def test_training_lowers_the_loss_computes_idf_and_logs_delta_interiso(shared_dir, tmp_path):
     pl.seed_everything(0)
-    model = HILModule(backbone="bert-tiny-splade", dim=32, query_maxlen=16, doc_maxlen=40, lr=1e-3)
+    model = hil_module(dim=32, query_maxlen=16, doc_maxlen=40)
     data = TriplesDataModule(triples=TRIPLES, max_triples=4, batch_size=4, shuffle=False)
     logged: list[dict[str, float]] = []
 
@@ -327,51 +336,39 @@ def test_training_lowers_the_loss_computes_idf_and_logs_delta_interiso(shared_di
     final = logged[-1]
     assert final["train/delta_inter_iso"] == pytest.approx(final["train/inter_iso_H"] - final["train/inter_iso_L"],
                                                            abs=1e-5)
-    # IDF came from the distinct passages of the 4 training triples and is part of the model
+    # IDF came from the distinct passages of the 4 training triples (data.idf_source: train) and is in the model
     passages = {text for t in data.train_dataset.triples for text in (t.positive, t.negative)}
     assert int(model.encoder.idf_documents) == len(passages)
+    assert "training triples" in model.encoder.idf_source
     assert int(model.encoder.zscore["H"].updates) == steps
     assert final["train/zscore_std_H"] == pytest.approx(model.encoder.zscore["H"].std.item(), rel=1e-5)
 
 
 @pytest_integration
-def test_loss_is_late_terms_plus_lambda_times_switched_regularizers(shared_dir):
-    batch = {"queries": ["what causes fever", "is coffee bad"], "positives": ["Fever is caused by infection.",
-             "Coffee is fine in moderation."], "negatives": ["Paris is in France.", "The cat sat on the mat."]}
-    for reg_l, reg_h in ((True, True), (False, True), (True, False), (False, False)):
-        torch.manual_seed(0)
-        model = HILModule(backbone="bert-tiny-splade", dim=16, query_maxlen=12, doc_maxlen=24, reg_weight=-0.3,
-                          reg_l=reg_l, reg_h=reg_h)
-        model.eval()  # no dropout: one deterministic forward
-        loss, parts = model.compute_loss(batch)
-        expected = (parts["loss_late_L"] + parts["loss_late_H"]
-                    - 0.3 * (parts["loss_reg_L"] * reg_l + parts["loss_reg_H"] * reg_h))
-        assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
-        # -mean(|InterIso_L|) over pairs, so at most -|mean InterIso_L|
-        assert parts["loss_reg_L"].item() <= -abs(parts["inter_iso_L"].item()) + 1e-6
-        assert parts["loss_reg_H"].item() == pytest.approx(parts["inter_iso_H"].item(), abs=1e-6)
-
-
-@pytest_integration
 def test_idf_sources_and_checkpoint_roundtrip(shared_dir, tmp_path):
-    model = HILModule(backbone="bert-tiny-splade", dim=16, query_maxlen=12, doc_maxlen=24, idf_source=TRIPLES,
-                      idf_max_docs=30)
-    texts, label = model.idf_documents()
+    data = TriplesDataModule(triples=TRIPLES, idf_source=TRIPLES, idf_max_docs=30)
+    texts, label = data.idf_documents()
     assert len(texts) == 30 and len(set(texts)) == 30 and "triples" in label
-    model.hparams.idf_source = "scifact"
-    texts, label = model.idf_documents()
+    texts, label = TriplesDataModule(triples=TRIPLES, idf_source="scifact", idf_max_docs=30).idf_documents()
     assert len(texts) == 30 and "scifact" in label
-    model.hparams.idf_source = "no-such-dataset-anywhere/x/y"
     with pytest.raises(FileNotFoundError, match="idf_source"):
-        model.idf_documents()
-    model.hparams.idf_source = "none"
-    model.setup("fit")
+        TriplesDataModule(triples=TRIPLES, idf_source="no-such-dataset-anywhere/x/y").idf_documents()
+    assert TriplesDataModule(triples=TRIPLES, idf_source="none").idf_documents() is None
+    with pytest.raises(ValueError, match="setup"):  # "train" needs the triples loaded
+        TriplesDataModule(triples=TRIPLES).idf_documents()
+
+    def fit_no_steps(module: RetrieverModule, data: TriplesDataModule) -> pl.Trainer:
+        trainer = pl.Trainer(max_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                             default_root_dir=tmp_path)
+        trainer.fit(module, data)  # runs setup("fit"): IDF from the data module when the encoder needs one
+        return trainer
+
+    model = hil_module()
+    trainer = fit_no_steps(model, TriplesDataModule(triples=TRIPLES, max_triples=4, idf_source="none"))
     assert not model.encoder.has_idf and torch.equal(model.encoder.idf, torch.ones_like(model.encoder.idf))
 
     model.encoder.set_idf_from_texts(DOCS, source="toy")
     model.encoder.zscore["L"].update(torch.tensor(0.3), torch.tensor(0.9))
-    trainer = pl.Trainer(max_steps=0, logger=False, enable_checkpointing=False)
-    trainer.strategy.connect(model)
     trainer.save_checkpoint(tmp_path / "hil.ckpt")
     loaded = load_encoder(tmp_path / "hil.ckpt")
     assert torch.equal(loaded.idf, model.encoder.idf) and loaded.zscore["L"].std.item() == pytest.approx(0.9)
@@ -380,8 +377,11 @@ def test_idf_sources_and_checkpoint_roundtrip(shared_dir, tmp_path):
         before = model.encoder.score(model.encoder.encode_queries(QUERIES), model.encoder.encode_documents(DOCS))
         after = loaded.score(loaded.encode_queries(QUERIES), loaded.encode_documents(DOCS))
     torch.testing.assert_close(before, after, rtol=0, atol=0)
-    # init_from keeps the source's IDF: setup does not recompute it
-    tuned = HILModule(backbone="bert-tiny-splade", dim=16, query_maxlen=12, doc_maxlen=24,
-                      init_from=str(tmp_path / "hil.ckpt"))
-    tuned.setup("fit")
+    # init_from keeps the source's IDF: setup does not recompute it, whatever the data module names
+    tuned = RetrieverModule(HILEncoder(backbone="bert-tiny-splade", dim=16, query_maxlen=12, doc_maxlen=24),
+                            HILLoss(), init_from=str(tmp_path / "hil.ckpt"))
+    fit_no_steps(tuned, TriplesDataModule(triples=TRIPLES, max_triples=4))
     assert torch.equal(tuned.encoder.idf, model.encoder.idf)
+    fresh = hil_module()
+    fit_no_steps(fresh, TriplesDataModule(triples=TRIPLES, max_triples=4))  # idf_source: train (the default)
+    assert fresh.encoder.has_idf and "training triples" in fresh.encoder.idf_source

@@ -20,7 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from hil.modeling.scoring import in_batch_ce_loss, late_interaction, late_interaction_matrix, pairwise_ce_loss
+from hil.isotropy.regularizers import CosRegRegularizer, InterIsoRegularizer, IStarRegularizer
+from hil.modeling.losses import InBatchCE, PairwiseCE, in_batch_ce_loss, pairwise_ce_loss
+from hil.modeling.scoring import late_interaction, late_interaction_matrix
 
 REPO = Path(__file__).resolve().parents[1]
 LONG_DOCUMENT = " ".join(["retrieval"] * 20000)  # ~20k tokens, far past doc_maxlen and BERT's 512 positions
@@ -70,15 +72,20 @@ def test_losses_of_identical_scores_are_log_of_the_candidates():
 
 
 # -- ColBERT -------------------------------------------------------------------------------------------------------
+REGULARIZERS = {"none": lambda: None, "interiso": lambda: InterIsoRegularizer(0.5),
+                "cosreg": lambda: CosRegRegularizer(0.5), "istar": lambda: IStarRegularizer(0.5)}
+
+
 @pytest.fixture(scope="module")
 def colbert_modules(shared_dir):
-    from hil.modeling.colbert import ColBERTModule
+    from hil.modeling.encoder import ColBERTEncoder
+    from hil.modeling.module import RetrieverModule
 
     modules = {}
-    for regularizer in ("none", "interiso", "cosreg", "istar"):
+    for name, regularizer in REGULARIZERS.items():
         torch.manual_seed(0)
-        modules[regularizer] = ColBERTModule(backbone="bert-tiny-splade", dim=16, query_maxlen=8, doc_maxlen=32,
-                                             regularizer=regularizer, reg_weight=0.5)
+        encoder = ColBERTEncoder(backbone="bert-tiny-splade", dim=16, query_maxlen=8, doc_maxlen=32)
+        modules[name] = RetrieverModule(encoder, PairwiseCE(), regularizer())
     return modules
 
 
@@ -95,7 +102,7 @@ def assert_finite_on_every_degenerate_batch(module) -> None:
 @pytest.mark.parametrize("in_batch, mode", [(False, "train"), (True, "eval")])  # eval: exactly equal embeddings
 def test_colbert_loss_is_finite_on_degenerate_batches(colbert_modules, regularizer, in_batch, mode):
     module = colbert_modules[regularizer]
-    module.hparams.in_batch_negatives = in_batch
+    module.loss = InBatchCE() if in_batch else PairwiseCE()
     module.train(mode == "train")
     assert_finite_on_every_degenerate_batch(module)
 
@@ -103,7 +110,7 @@ def test_colbert_loss_is_finite_on_degenerate_batches(colbert_modules, regulariz
 @pytest.mark.integration
 def test_identical_texts_give_a_uniform_in_batch_loss(colbert_modules):
     module = colbert_modules["none"]
-    module.hparams.in_batch_negatives = True
+    module.loss = InBatchCE()
     module.eval()  # no dropout: the embeddings are exactly identical
     loss, parts = assert_finite_step(module, DEGENERATE_BATCHES["identical"])
     assert math.isclose(loss, math.log(6), rel_tol=1e-5)  # 3 queries x 6 equally good documents
@@ -138,9 +145,12 @@ def test_empty_and_punctuation_only_texts_encode_and_score(colbert_modules):
 @pytest.mark.integration
 @pytest.mark.parametrize("mode", ["train", "eval"])
 def test_hil_loss_is_finite_with_zero_variance_scores(shared_dir, mode):
-    hil = pytest.importorskip("hil.modeling.hil")
+    from hil.modeling.hil import HILEncoder
+    from hil.modeling.losses import HILLoss
+    from hil.modeling.module import RetrieverModule
+
     torch.manual_seed(0)
-    module = hil.HILModule(backbone="bert-tiny-splade", dim=16, query_maxlen=8, doc_maxlen=32, idf_source="none")
+    module = RetrieverModule(HILEncoder(backbone="bert-tiny-splade", dim=16, query_maxlen=8, doc_maxlen=32), HILLoss())
     module.train(mode == "train")
     assert_finite_on_every_degenerate_batch(module)
 

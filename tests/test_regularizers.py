@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hil.isotropy.metrics import avg_cos, inter_iso, isoscore, isoscore_star, masked_tokens
-from hil.isotropy.regularizers import Regularizer, cosreg, interiso_reg, istar_reg, regularization_loss
+from hil.isotropy.regularizers import (CosRegRegularizer, InterIsoRegularizer, IStarRegularizer, Regularizer, cosreg,
+                                       interiso_reg, istar_reg)
 
 torch.set_num_threads(1)
 
@@ -39,12 +40,12 @@ def batch(seed: int = 0, bq: int = 3, lq: int = 4, ld: int = 5, d: int = 6):
 # The terms
 # ---------------------------------------------------------------------------------------------------------------
 
-def test_interiso_reg_sign_of_lambda_picks_raw_or_absolute_value():
+def test_interiso_reg_raw_or_absolute_value_per_pair():
     values = torch.tensor([0.5, -0.3, 0.1])
-    assert interiso_reg(values, -0.1).item() == pytest.approx(0.1, abs=1e-7)          # mean InterIso
-    assert interiso_reg(values, 0.4).item() == pytest.approx(0.9 / 3, abs=1e-7)       # mean |InterIso| per pair
+    assert interiso_reg(values, absolute=False).item() == pytest.approx(0.1, abs=1e-7)     # mean InterIso
+    assert interiso_reg(values, absolute=True).item() == pytest.approx(0.9 / 3, abs=1e-7)  # mean |InterIso| per pair
     with pytest.raises(ValueError, match=r"\(B,\)"):
-        interiso_reg(values[None], 0.4)
+        interiso_reg(values[None], absolute=True)
 
 
 @settings(max_examples=40, deadline=None)
@@ -63,14 +64,14 @@ def test_istar_reg_is_one_minus_isoscore_star():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# regularization_loss: lambda, pairing, queries and documents apart, padding excluded
+# The regularizer objects: lambda, pairing, queries and documents apart, padding excluded
 # ---------------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("lam", [0.4, -0.1])
 def test_interiso_loss_over_query_doc_pairs(lam):
     queries, docs, query_mask, doc_mask = batch()
     pair_index = torch.arange(3).repeat(2)
-    loss, logs = regularization_loss("interiso", lam, queries, docs, query_mask, doc_mask, pair_index)
+    loss, logs = InterIsoRegularizer(lam)(queries, docs, query_mask, doc_mask, pair_index)
     per_pair = []
     for k in range(6):
         q = queries[pair_index[k]][query_mask[pair_index[k]]]
@@ -80,9 +81,12 @@ def test_interiso_loss_over_query_doc_pairs(lam):
     assert loss.item() == pytest.approx(lam * expected_reg, abs=1e-10)
     assert logs["reg"].item() == pytest.approx(expected_reg, abs=1e-10)
     assert logs["inter_iso"].item() == pytest.approx(sum(per_pair) / 6, abs=1e-10)
-    # The same as passing the queries repeated row by row.
-    repeated, _ = regularization_loss("interiso", lam, queries[pair_index], docs, query_mask[pair_index], doc_mask)
+    # The same as passing the queries repeated row by row, or InterIso values computed elsewhere.
+    repeated, _ = InterIsoRegularizer(lam)(queries[pair_index], docs, query_mask[pair_index], doc_mask)
     assert repeated.item() == pytest.approx(loss.item(), abs=1e-12)
+    given, _ = InterIsoRegularizer(lam)(queries, docs, query_mask, doc_mask, pair_index,
+                                        inter_iso_values=torch.tensor(per_pair, dtype=torch.float64))
+    assert given.item() == pytest.approx(loss.item(), abs=1e-10)
 
 
 @pytest.mark.parametrize("kind", ["cosreg", "istar"])
@@ -93,32 +97,32 @@ def test_cosreg_and_istar_are_half_lambda_times_query_plus_doc_terms(kind):
     if kind == "cosreg":
         reg_q, reg_d = cosreg_loop(query_points), cosreg_loop(doc_points)
     else:
-        reg_q = 1 - isoscore_star(query_points).item()
-        reg_d = 1 - isoscore_star(doc_points).item()
+        eye = torch.eye(query_points.shape[1], dtype=torch.float64)
+        reg_q = 1 - isoscore_star(query_points, eye).item()
+        reg_d = 1 - isoscore_star(doc_points, eye).item()
     lam = -0.6
-    loss, logs = regularization_loss(kind, lam, queries, docs, query_mask, doc_mask, torch.arange(3).repeat(2))
+    regularizer = CosRegRegularizer(lam) if kind == "cosreg" else IStarRegularizer(lam, shrinkage_target="identity")
+    loss, logs = regularizer(queries, docs, query_mask, doc_mask, torch.arange(3).repeat(2))
     assert loss.item() == pytest.approx(lam / 2 * (reg_q + reg_d), abs=1e-9)
     assert logs["reg_query"].item() == pytest.approx(reg_q, abs=1e-9)
     assert logs["reg_doc"].item() == pytest.approx(reg_d, abs=1e-9)
     assert logs["reg"].item() == pytest.approx((reg_q + reg_d) / 2, abs=1e-9)
 
 
-def test_none_gives_zero_and_still_logs_inter_iso():
-    queries, docs, query_mask, doc_mask = batch()
-    loss, logs = Regularizer("none")(queries, docs, query_mask, doc_mask, torch.arange(3).repeat(2))
-    assert loss.item() == 0.0 and set(logs) == {"inter_iso"}
-
-
 def test_bad_arguments_are_named():
     queries, docs, query_mask, doc_mask = batch()
-    with pytest.raises(ValueError, match="unknown regularizer kind"):
-        regularization_loss("whitening", 0.1, queries, docs)
     with pytest.raises(ValueError, match="pair_index"):
-        regularization_loss("interiso", 0.1, queries, docs, query_mask, doc_mask)
-    with pytest.raises(ValueError, match="kind"):
-        Regularizer("iso")
-    with pytest.raises(ValueError, match="needs dim"):
-        Regularizer("istar", 0.2, shrinkage_target="running")
+        InterIsoRegularizer(0.1)(queries, docs, query_mask, doc_mask)
+    with pytest.raises(ValueError, match="shrinkage_target"):
+        IStarRegularizer(0.2, shrinkage_target="rolling")
+    with pytest.raises(ValueError, match="needs dim"):  # running shrinkage without a D, never bound to an encoder
+        IStarRegularizer(0.2, shrinkage_target="running")(queries, docs, query_mask, doc_mask,
+                                                          torch.arange(3).repeat(2))
+    bound = IStarRegularizer(0.2, shrinkage_target="running")
+    bound.bind(6)
+    assert bound.doc_shrinkage_cov.shape == (6, 6)
+    with pytest.raises(ValueError, match="dim=6"):
+        bound.bind(8)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -127,7 +131,7 @@ def test_bad_arguments_are_named():
 
 def test_istar_identity_target_shrinks_toward_identity():
     queries, docs, query_mask, doc_mask = batch(seed=4)
-    module = Regularizer("istar", 0.2, zeta=0.3)
+    module = IStarRegularizer(0.2, zeta=0.3)
     loss, logs = module(queries, docs, query_mask, doc_mask, torch.arange(3).repeat(2))
     eye = torch.eye(6, dtype=torch.float64)
     reg_q = istar_reg(masked_tokens(queries, query_mask), eye, 0.3).item()
@@ -137,7 +141,7 @@ def test_istar_identity_target_shrinks_toward_identity():
 
 def test_istar_running_covariance_is_an_ema_of_batch_covariances_and_is_checkpointed():
     momentum, zeta = 0.25, 0.2
-    module = Regularizer("istar", 0.2, zeta=zeta, shrinkage_target="running", momentum=momentum, dim=6)
+    module = IStarRegularizer(0.2, zeta=zeta, shrinkage_target="running", momentum=momentum, dim=6)
     first, second = batch(seed=5), batch(seed=6)
     pairs = torch.arange(3).repeat(2)
 
@@ -161,7 +165,7 @@ def test_istar_running_covariance_is_an_ema_of_batch_covariances_and_is_checkpoi
     module(*first, pairs)
     assert torch.allclose(module.doc_shrinkage_cov, ema, atol=1e-6)
     # The average travels in the state dict.
-    restored = Regularizer("istar", 0.2, zeta=zeta, shrinkage_target="running", momentum=momentum, dim=6)
+    restored = IStarRegularizer(0.2, zeta=zeta, shrinkage_target="running", momentum=momentum, dim=6)
     restored.load_state_dict(module.state_dict())
     assert torch.equal(restored.doc_shrinkage_cov, module.doc_shrinkage_cov)
     assert torch.equal(restored.query_shrinkage_cov, module.query_shrinkage_cov)
@@ -214,13 +218,13 @@ def _train_only_regularizer(regularizer: Regularizer, steps: int = 30):
 
 
 @pytest.mark.parametrize("kind,metric,isotropic_is_lower", [
-    ("interiso", "inter_iso", True),   # InterIso -> 0 isotropic, -> 1 anisotropic
-    ("cosreg", "avg_cos", True),
-    ("istar", "isoscore", False),      # IsoScore -> 1 isotropic, -> 0 anisotropic
+    (InterIsoRegularizer, "inter_iso", True),   # InterIso -> 0 isotropic, -> 1 anisotropic
+    (CosRegRegularizer, "avg_cos", True),
+    (IStarRegularizer, "isoscore", False),      # IsoScore -> 1 isotropic, -> 0 anisotropic
 ])
 @pytest.mark.parametrize("lam", [0.5, -0.5])
 def test_sign_of_lambda_moves_isotropy_the_intended_way(kind, metric, isotropic_is_lower, lam):
-    before, after = _train_only_regularizer(Regularizer(kind, lam))
+    before, after = _train_only_regularizer(kind(lam))
     change = after[metric] - before[metric]
     towards_isotropy = -change if isotropic_is_lower else change
     if lam > 0:
@@ -231,6 +235,6 @@ def test_sign_of_lambda_moves_isotropy_the_intended_way(kind, metric, isotropic_
 
 @pytest.mark.parametrize("lam", [0.5, -0.5])
 def test_istar_with_running_shrinkage_moves_isoscore_the_intended_way(lam):
-    before, after = _train_only_regularizer(Regularizer("istar", lam, shrinkage_target="running", dim=8))
+    before, after = _train_only_regularizer(IStarRegularizer(lam, shrinkage_target="running", dim=8))
     change = after["isoscore"] - before["isoscore"]
     assert (change > 0.1) if lam > 0 else (change < -0.1), (before, after)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -10,8 +11,9 @@ import torch
 
 from hil.cli import train_main
 from hil.data.datamodule import TriplesDataModule
-from hil.modeling.colbert import ColBERTModule
+from hil.modeling.encoder import ColBERTEncoder
 from hil.modeling.loading import load_encoder
+from hil.modeling.module import RetrieverModule
 
 pytestmark = pytest.mark.integration
 
@@ -22,6 +24,11 @@ TRIPLES = "msmarco/triples.train.small.head1000.tsv"
 def cli_args(tmp_path: Path, *extra: str) -> list[str]:
     return ["fit", "--config", str(REPO / "configs/colbert.yaml"), "--config", str(REPO / "configs/presets/smoke.yaml"),
             "--trainer.default_root_dir", str(tmp_path), "--trainer.logger", "false", *extra]
+
+
+def colbert_module(lr: float = 3e-6, init_from: str | None = None, **encoder_settings) -> RetrieverModule:
+    encoder = ColBERTEncoder(backbone="bert-tiny-splade", **encoder_settings)
+    return RetrieverModule(encoder, optimizer=partial(torch.optim.AdamW, lr=lr), init_from=init_from)
 
 
 def checkpoints(tmp_path: Path) -> list[Path]:
@@ -39,7 +46,7 @@ def test_cli_fit_runs_and_exports(shared_dir, tmp_path):
 
 def test_loss_goes_down_when_overfitting(shared_dir, tmp_path):
     pl.seed_everything(0)
-    model = ColBERTModule(backbone="bert-tiny-splade", dim=32, query_maxlen=16, doc_maxlen=48, lr=1e-3)
+    model = colbert_module(lr=1e-3, dim=32, query_maxlen=16, doc_maxlen=48)
     data = TriplesDataModule(triples=TRIPLES, max_triples=8, batch_size=8, shuffle=False)
     losses: list[float] = []
 
@@ -71,7 +78,7 @@ def test_resume_continues_at_the_right_step(shared_dir, tmp_path):
 
 def test_export_then_load_gives_identical_scores(shared_dir, tmp_path):
     torch.manual_seed(0)
-    model = ColBERTModule(backbone="bert-tiny-splade", dim=24, query_maxlen=16, doc_maxlen=40)
+    model = colbert_module(dim=24, query_maxlen=16, doc_maxlen=40)
     model.encoder.eval()
     model.export(tmp_path / "export")
     loaded = load_encoder(tmp_path / "export")
@@ -85,15 +92,14 @@ def test_export_then_load_gives_identical_scores(shared_dir, tmp_path):
 
 def test_init_from_checkpoint_and_export(shared_dir, tmp_path):
     torch.manual_seed(0)
-    source = ColBERTModule(backbone="bert-tiny-splade", dim=24, query_maxlen=16, doc_maxlen=40)
+    source = colbert_module(dim=24, query_maxlen=16, doc_maxlen=40)
     source.export(tmp_path / "export")
     trainer = pl.Trainer(max_steps=0, logger=False, enable_checkpointing=False)
     trainer.strategy.connect(source)
     trainer.save_checkpoint(tmp_path / "source.ckpt")
     for origin in (tmp_path / "export", tmp_path / "source.ckpt"):
         torch.manual_seed(1)  # a different random head, which init_from must overwrite
-        tuned = ColBERTModule(backbone="bert-tiny-splade", dim=24, query_maxlen=16, doc_maxlen=40,
-                              init_from=str(origin))
+        tuned = colbert_module(dim=24, query_maxlen=16, doc_maxlen=40, init_from=str(origin))
         torch.testing.assert_close(tuned.encoder.linear.weight, source.encoder.linear.weight)
     with pytest.raises(FileNotFoundError, match="init_from"):
-        ColBERTModule(backbone="bert-tiny-splade", init_from=str(tmp_path / "missing.ckpt"))
+        colbert_module(init_from=str(tmp_path / "missing.ckpt"))

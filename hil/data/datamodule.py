@@ -6,13 +6,14 @@ depends on a model and a checkpoint always tokenizes the way it was trained.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Sequence
 
 import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from hil.data.triples import Triple, mine_bm25_triples, read_triples
+from hil.data.triples import Triple, iter_triples, mine_bm25_triples, read_triples
 from hil.paths import resolve_data_file
 
 
@@ -165,6 +166,50 @@ class ResumableDataLoader(DataLoader):
             sampler.resume_at(None, int(state["batches_yielded"]) * (self.batch_size or 1))
 
 
+def distinct_texts(texts: Iterable[str], limit: int | None) -> list[str]:
+    """The distinct ``texts`` in first-seen order, at most ``limit`` of them (None: all)."""
+    seen: dict[str, None] = {}
+    for text in texts:
+        seen.setdefault(text, None)
+        if limit is not None and len(seen) >= limit:
+            break
+    return list(seen)
+
+
+def idf_source_documents(source: str, limit: int | None, training: Sequence[Triple] | None = None,
+                         data_dir: str | None = None) -> tuple[list[str], str] | None:
+    """The documents ColBERT-HIL's query-term IDF is computed from (``data.idf_source``), and a label for them.
+
+    ``"train"``: the distinct passages of the training triples (the paper trains and takes IDF on MS MARCO; its
+    training passages are the in-domain collection at hand); ``"none"``: no table (uniform weights 1, an
+    ablation; returns None); a path to a ``query TAB positive TAB negative`` file (its passages); or a BEIR
+    dataset name or folder (its corpus). ``limit``: at most the first N distinct documents.
+    """
+    if source == "none":
+        return None
+    if source == "train":
+        if training is None:
+            raise ValueError("data.idf_source=train needs the training triples (call setup('fit') first)")
+        return distinct_texts((text for t in training for text in (t.positive, t.negative)), limit), \
+            "training triples' passages"
+    try:
+        path = resolve_data_file(source, data_dir)
+    except FileNotFoundError:
+        path = None
+    if path is not None and path.is_file():
+        passages = (text for _, t in iter_triples(path) for text in (t.positive, t.negative))
+        return distinct_texts(passages, limit), f"passages of {path}"
+    from hil.data.beir import load_beir
+
+    try:
+        dataset = load_beir(source, data_dir=data_dir)
+    except FileNotFoundError as error:
+        raise FileNotFoundError(f"data.idf_source={source!r}: not 'train', 'none', a triples file or a BEIR "
+                                f"dataset ({error})") from None
+    texts = dataset.documents()
+    return (texts[:limit] if limit else texts), f"corpus of {dataset.name} ({Path(dataset.source).name})"
+
+
 class TriplesDataModule(pl.LightningDataModule):
     """Triples from an MS MARCO-style TSV, or mined from a BEIR training split with BM25 hard negatives.
 
@@ -174,20 +219,31 @@ class TriplesDataModule(pl.LightningDataModule):
         max_triples: keep only the first N triples (smoke runs).
         batch_size: triples per optimizer step on each device.
         seed: fixes the shuffling order of every epoch.
+        idf_source, idf_max_docs: the collection an encoder that weights query terms (ColBERT-HIL) takes its IDF
+            from at the start of training, when it has none yet (a model from ``init_from`` or a resumed
+            checkpoint keeps its own); see :func:`idf_source_documents`. Ignored by other encoders.
     """
 
     def __init__(self, triples: str | None = None, beir: str | None = None, beir_split: str = "train",
                  negatives_per_query: int = 1, bm25_depth: int = 100, max_triples: int | None = None,
                  batch_size: int = 32, num_workers: int = 0, shuffle: bool = True, seed: int = 12345,
-                 data_dir: str | None = None):
+                 data_dir: str | None = None, idf_source: str = "train", idf_max_docs: int | None = None):
         super().__init__()
         if (triples is None) == (beir is None):
             raise ValueError("data: give exactly one of `triples` (a TSV of text triples) or `beir` (a dataset to "
                              "mine triples from)")
         if batch_size < 1:
             raise ValueError(f"data.batch_size must be >= 1 (got {batch_size})")
+        if idf_max_docs is not None and idf_max_docs < 1:
+            raise ValueError(f"data.idf_max_docs must be >= 1 or null (got {idf_max_docs})")
         self.save_hyperparameters()
         self.train_dataset: TripleDataset | None = None
+
+    def idf_documents(self) -> tuple[list[str], str] | None:
+        """The documents of ``idf_source`` and their label (None: no IDF table, uniform weights)."""
+        training = self.train_dataset.triples if self.train_dataset is not None else None
+        return idf_source_documents(str(self.hparams.idf_source), self.hparams.idf_max_docs, training,
+                                    self.hparams.data_dir)
 
     def load_triples(self) -> list[Triple]:
         hp = self.hparams

@@ -68,8 +68,8 @@ class ColBERTTokenizer:
         if not ids or ids[0] is None or ids[0] == unk:
             raise MarkerTokenError(
                 f"tokenizer {self.tokenizer.name_or_path!r} has no token {token!r} for the {field}; "
-                f"set model.init_args.{field} (--model.init_args.{field} on the command line) to an unused "
-                f"vocabulary token of this tokenizer")
+                f"set model.encoder.init_args.{field} (--model.encoder.init_args.{field} on the command line) to an "
+                f"unused vocabulary token of this tokenizer")
         return int(ids[0])
 
     def _punctuation_ids(self) -> set[int]:

@@ -1,26 +1,35 @@
 """Budgets for reproducing HIL (001) Tables 2, 3 and 5: every variant trained with the same settings.
 
 A profile fixes what the paper's comparison needs to be fair: one backbone, one training file, one number of
-steps, one batch size, one learning rate, one seed and one pair of lengths for every variant. Each variant adds
-only its own config file (``configs/<name>.yaml``, the regularizer and its lambda).
+steps, one batch size, one learning rate, one seed and one pair of lengths for every variant. The training budget is
+a preset file, defined once under ``configs/presets/`` and stacked on every variant exactly as a user would
+(``--config configs/colbert.yaml [--config configs/variants/<variant>.yaml] --config configs/presets/<preset>``);
+the profile adds only how the models are evaluated (dataset slices, depths, bootstrap sizes).
 
-- ``smoke``: the shared 4.4M-parameter BERT, 2 steps, slices of each dataset; minutes; run by the test suite.
-- ``cpu``: all-MiniLM-L6-v2 on the 1,000-triple MS MARCO sample, sized so the whole run (9 trainings and 30
-  evaluations) takes about two hours on 2 CPU cores. Lengths are shortened from 32/180 to 32/128 for training and
-  evaluation alike (SciFact abstracts are truncated; BM25 sees full texts), because document length is the main cost
-  of both.
-- ``paper``: 001's settings (bert-base-uncased, MS MARCO triples, 200k steps, lr 3e-6, batch 32, lengths 32/180)
-  for a GPU; ``--max-steps`` runs a shorter prefix of the same schedule.
+- ``smoke``: ``presets/smoke.yaml`` (the shared 4.4M-parameter BERT, 4 steps), slices of each dataset; minutes;
+  run by the test suite.
+- ``cpu``: ``presets/paper-cpu.yaml`` (all-MiniLM-L6-v2, 64 steps of 16 triples of the 1,000-triple MS MARCO sample,
+  lengths 32/128 for training and evaluation alike), sized so the whole run (9 trainings and 30 evaluations) takes
+  about an hour on 2 CPU cores; SciFact abstracts are truncated at 128 tokens (BM25 sees full texts).
+- ``paper``: ``presets/paper-gpu.yaml``: 001's settings (bert-base-uncased, MS MARCO triples, 200k steps, lr 3e-6,
+  batch 32, lengths 32/180) on one GPU; ``--max-steps`` runs a shorter prefix of the same schedule.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
+from pathlib import Path
 from typing import Any
 
-# name -> (config file, label in the tables)
-VARIANTS: dict[str, tuple[str, str]] = {
-    "colbert": ("colbert", "ColBERT"),
+import yaml
+
+REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+BASE_CONFIG = "colbert.yaml"
+
+# name -> (delta file under configs/variants, or None for the base config itself; label in the tables)
+VARIANTS: dict[str, tuple[str | None, str]] = {
+    "colbert": (None, "ColBERT"),
     "cosreg": ("colbert_cosreg_iso", "ColBERT-cosreg"),
     "istar": ("colbert_istar_iso", "ColBERT-istar"),
     "iso": ("colbert_iso", "ColBERT-iso"),
@@ -46,21 +55,55 @@ DATASETS: dict[str, tuple[str, str]] = {
 ZERO_SHOT = ("scifact", "nfcorpus")  # the BEIR average; DL19 is in-domain (001 leaves MS MARCO out of Avg.)
 
 
+def _merged(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """``override`` laid over ``base`` key by key (nested mappings merged, anything else replaced), as stacked
+    ``--config`` files resolve for plain keys."""
+    out = dict(base)
+    for key, value in override.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
 @dataclass(frozen=True)
-class Profile:
-    name: str
+class TrainingBudget:
+    """What every variant of a profile is trained with, read from the base config and the preset."""
+
     backbone: str
     triples: str
+    max_triples: int | None
     max_steps: int
     batch_size: int
     lr: float
     warmup_steps: int
     query_maxlen: int
     doc_maxlen: int
-    seed: int = 12345
-    precision: str = "32-true"
-    accelerator: str = "cpu"
-    max_triples: int | None = None
+    seed: int
+    precision: str
+    accelerator: str
+
+    @classmethod
+    def from_configs(cls, *paths: Path) -> "TrainingBudget":
+        config: dict[str, Any] = {}
+        for path in paths:
+            config = _merged(config, yaml.safe_load(path.read_text(encoding="utf-8")) or {})
+        trainer, model, data = config["trainer"], config["model"], config["data"]
+        encoder = model["encoder"]["init_args"]
+        return cls(backbone=encoder["backbone"], triples=data["triples"], max_triples=data.get("max_triples"),
+                   max_steps=int(trainer["max_steps"]), batch_size=int(data["batch_size"]),
+                   lr=float(model["optimizer"]["init_args"]["lr"]),
+                   warmup_steps=int(model["lr_scheduler"]["init_args"]["warmup_steps"]),
+                   query_maxlen=int(encoder["query_maxlen"]), doc_maxlen=int(encoder["doc_maxlen"]),
+                   seed=int(config["seed_everything"]), precision=str(trainer["precision"]),
+                   accelerator=str(trainer["accelerator"]))
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    preset: str  # a file under configs/presets
+    description: str = ""
+    max_steps: int | None = None  # overrides the preset's (--max-steps): a shorter prefix of the same schedule
+    configs: Path = REPO_CONFIGS
     # dataset key -> (number of queries, number of documents) for a deterministic slice; absent = the whole set
     slices: dict[str, tuple[int, int]] = field(default_factory=dict)
     rerank_depth: int = 100
@@ -71,46 +114,44 @@ class Profile:
     n_bootstrap: int = 1000
     n_permutations: int = 10000
     encode_batch_size: int = 32
-    description: str = ""
 
-    def train_overrides(self) -> list[str]:
-        """Command-line overrides applied on top of every variant's config file (the equal budget)."""
-        args = ["--seed_everything", str(self.seed),
-                "--trainer.accelerator", self.accelerator, "--trainer.devices", "1",
-                "--trainer.precision", self.precision, "--trainer.max_steps", str(self.max_steps),
-                "--trainer.log_every_n_steps", str(max(1, min(8, self.max_steps // 4))),
-                "--trainer.enable_progress_bar", "false",
-                "--model.init_args.backbone", self.backbone,
-                "--model.init_args.query_maxlen", str(self.query_maxlen),
-                "--model.init_args.doc_maxlen", str(self.doc_maxlen),
-                "--model.init_args.lr", str(self.lr),
-                "--model.init_args.warmup_steps", str(self.warmup_steps),
-                "--data.triples", self.triples, "--data.batch_size", str(self.batch_size),
-                "--data.num_workers", "0"]
-        if self.max_triples is not None:
-            args += ["--data.max_triples", str(self.max_triples)]
+    @cached_property
+    def training(self) -> TrainingBudget:
+        budget = TrainingBudget.from_configs(self.configs / BASE_CONFIG, self.configs / "presets" / self.preset)
+        return budget if self.max_steps is None else TrainingBudget(**{**asdict(budget), "max_steps": self.max_steps})
+
+    @property
+    def seed(self) -> int:
+        return self.training.seed
+
+    def config_args(self, variant: str) -> list[str]:
+        """The ``train.py fit`` arguments of one variant: base config, its delta, the preset, then run options."""
+        delta, _ = VARIANTS[variant]
+        args = ["--config", str(self.configs / BASE_CONFIG)]
+        if delta is not None:
+            args += ["--config", str(self.configs / "variants" / f"{delta}.yaml")]
+        args += ["--config", str(self.configs / "presets" / self.preset), "--trainer.enable_progress_bar", "false"]
+        if self.max_steps is not None:
+            args += ["--trainer.max_steps", str(self.max_steps)]
         return args
 
     def budget(self) -> dict[str, Any]:
-        return asdict(self)
+        """Everything the run depends on, for ``profile.json``."""
+        evaluation = {k: v for k, v in asdict(self).items() if k not in ("configs", "max_steps")}
+        return {**evaluation, **asdict(self.training)}
 
 
 PROFILES: dict[str, Profile] = {
     "smoke": Profile(
-        name="smoke", backbone="bert-tiny-splade", triples="msmarco/triples.train.small.head1000.tsv",
-        max_steps=2, batch_size=8, lr=1e-4, warmup_steps=0, query_maxlen=16, doc_maxlen=48, max_triples=32,
+        name="smoke", preset="smoke.yaml",
         slices={"scifact": (12, 120), "nfcorpus": (12, 120), "dl19": (8, 200)}, rerank_depth=20, k=100,
         interiso_pairs=12, figure_pairs=8, overlap_depth=10, n_bootstrap=200, n_permutations=500,
-        description="shared tiny BERT, 2 steps of 8 triples, slices of every dataset: checks the pipeline only"),
+        description="shared tiny BERT, 4 steps of 8 triples, slices of every dataset: checks the pipeline only"),
     "cpu": Profile(
-        name="cpu", backbone="sentence-transformers/all-MiniLM-L6-v2",
-        triples="msmarco/triples.train.small.head1000.tsv", max_steps=64, batch_size=16, lr=3e-5,
-        warmup_steps=6, query_maxlen=32, doc_maxlen=128,
+        name="cpu", preset="paper-cpu.yaml",
         description="all-MiniLM-L6-v2, 64 steps x 16 MS MARCO triples (about one pass over the 1,000-triple sample), "
-                    "lengths 32/128, about two hours on 2 CPU cores"),
+                    "lengths 32/128, about an hour on 2 CPU cores"),
     "paper": Profile(
-        name="paper", backbone="bert-base-uncased", triples="msmarco/triples.train.small.tsv", max_steps=200_000,
-        batch_size=32, lr=3e-6, warmup_steps=0, query_maxlen=32, doc_maxlen=180, accelerator="gpu",
-        precision="16-mixed", encode_batch_size=128,
+        name="paper", preset="paper-gpu.yaml", encode_batch_size=128,
         description="001's settings: bert-base-uncased, MS MARCO triples, 200k steps, lr 3e-6, batch 32, 32/180"),
 }

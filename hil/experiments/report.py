@@ -328,6 +328,7 @@ def write_report(out: Path, profile: Profile, *, command: str = "", elapsed_s: f
                  "documents": max((m.get("n_docs") or 0 for m in r.values()), default=0)}
              for k, r in results.items()}
 
+    budget = profile.training
     lines = [f"# HIL (001) reproduced at `{profile.name}` scale", "",
              f"Generated {time.strftime('%Y-%m-%d %H:%M')} by `{command or 'python -m hil.experiments.paper'}` "
              f"at commit `{host['commit']}` on {host['cpu']} ({host['cores']} cores, {host['torch_threads']} torch "
@@ -336,11 +337,12 @@ def write_report(out: Path, profile: Profile, *, command: str = "", elapsed_s: f
              f"totals: training {sum(t['seconds'] for t in training.values()) / 60:.1f} min, document encoding "
              f"and scoring {_stage_minutes(results):.1f} min (model loading, BM25 and figures not counted).", "",
              "## Budget", "",
-             f"{profile.description}. Every variant: backbone `{profile.backbone}`, triples `{profile.triples}`"
-             + (f" (first {profile.max_triples})" if profile.max_triples else "")
-             + f", {profile.max_steps} steps of batch {profile.batch_size}, lr {profile.lr:g} with "
-             f"{profile.warmup_steps} warm-up steps, lengths {profile.query_maxlen}/{profile.doc_maxlen}, seed "
-             f"{profile.seed}, precision {profile.precision}; each variant adds only its config's regularizer.", "",
+             f"{profile.description}. Every variant: backbone `{budget.backbone}`, triples `{budget.triples}`"
+             + (f" (first {budget.max_triples})" if budget.max_triples else "")
+             + f", {budget.max_steps} steps of batch {budget.batch_size}, lr {budget.lr:g} with "
+             f"{budget.warmup_steps} warm-up steps, lengths {budget.query_maxlen}/{budget.doc_maxlen}, seed "
+             f"{budget.seed}, precision {budget.precision} (`configs/presets/{profile.preset}`); each variant adds "
+             "only its config's regularizer.", "",
              "Evaluation: SciFact and NFCorpus (test) by exact late interaction of every query with every document "
              "(full ranking without a first-stage approximation, top "
              f"{profile.k}); TREC DL19 by re-ranking BM25's top {profile.rerank_depth} in the judged pool. "

@@ -8,21 +8,23 @@ which model they hold: ``head_names``, ``encode_queries``, ``encode_documents`` 
 from __future__ import annotations
 
 import json
+from abc import abstractmethod
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from transformers import AutoModel, AutoTokenizer, PreTrainedModel
+from transformers import AutoModel, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
+from hil.data.idf import IDFTable
 from hil.data.tokenization import DOC_MARKER, QUERY_MARKER, ColBERTTokenizer, TokenizedBatch
 from hil.modeling.contracts import EncodedBatch, Encoder
 from hil.modeling.scoring import late_interaction, late_interaction_matrix
 from hil.paths import resolve_model
-from hil.provenance import provenance
+from hil.provenance import provenance, write_json_atomic
 
 CONFIG_NAME = "hil_config.json"
 HEADS_NAME = "hil_heads.pt"
@@ -38,7 +40,7 @@ def _quiet_transformers():
         hf_logging.set_verbosity(previous)
 
 
-def load_backbone(name_or_path: str) -> tuple[PreTrainedModel, Any]:
+def load_backbone(name_or_path: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a BERT-family backbone and its tokenizer from a hub name or local directory (no pooler or MLM head used)."""
     source = resolve_model(name_or_path)
     with _quiet_transformers():
@@ -56,14 +58,18 @@ def load_backbone(name_or_path: str) -> tuple[PreTrainedModel, Any]:
 
 
 class MultiVectorEncoder(Encoder):
-    """Shared plumbing: backbone + tokenizer, encode helpers, settings, export and loading."""
+    """An encoder over a Hugging Face backbone (ColBERT, ColBERT-HIL): tokenizer, encoding, settings, export.
+
+    Subclasses define ``embed`` (the heads) and the scores; this is what ``RetrieverModule`` trains and exports.
+    """
 
     architecture: ClassVar[str]
     head_names: ClassVar[tuple[str, ...]]
 
     def __init__(self, backbone: str = "bert-base-uncased", dim: int = 128, query_maxlen: int = 32,
                  doc_maxlen: int = 180, query_marker: str = QUERY_MARKER, doc_marker: str = DOC_MARKER,
-                 mask_punctuation: bool = True, _loaded: tuple[PreTrainedModel, Any] | None = None):
+                 mask_punctuation: bool = True,
+                 _loaded: tuple[PreTrainedModel, PreTrainedTokenizerBase] | None = None):
         super().__init__()
         self.backbone_name = backbone
         self.backbone, hf_tokenizer = _loaded if _loaded is not None else load_backbone(backbone)
@@ -72,21 +78,22 @@ class MultiVectorEncoder(Encoder):
         self.dim = dim
         self.hidden_size = int(self.backbone.config.hidden_size)
 
-    # -- what subclasses define -------------------------------------------------------------------------------
+    # -- what subclasses define (and ``score``, ``score_pairs``, ``score_heads`` of the contract) ------------------
+    @abstractmethod
     def embed(self, batch: TokenizedBatch, is_query: bool) -> dict[str, Tensor]:
         """Head name -> (B, L, D) L2-normalized token embeddings."""
-        raise NotImplementedError
-
-    def score(self, queries: EncodedBatch, docs: EncodedBatch) -> Tensor:
-        """Relevance of every query to every document. -> (Bq, Bd)"""
-        raise NotImplementedError
-
-    def score_pairs(self, queries: EncodedBatch, docs: EncodedBatch) -> Tensor:
-        """Relevance of query i to document i. -> (B,)"""
-        raise NotImplementedError
 
     def extra_settings(self) -> dict[str, Any]:
         return {}
+
+    @property
+    def needs_idf(self) -> bool:
+        """Whether training must first give this encoder query-term IDF weights (``set_idf_from_texts``, ColBERT-HIL);
+        the documents come from the data module (``data.idf_source``)."""
+        return False
+
+    def set_idf_from_texts(self, texts: Iterable[str], source: str = "", batch_size: int = 1024) -> IDFTable:
+        raise TypeError(f"a {self.architecture} encoder has no IDF weights")
 
     # -- shared -------------------------------------------------------------------------------------------------
     @property
@@ -111,8 +118,6 @@ class MultiVectorEncoder(Encoder):
         self.tokenizer.tokenizer.save_pretrained(directory)
         head_state = {k: v.detach().cpu() for k, v in self.state_dict().items() if not k.startswith("backbone.")}
         torch.save(head_state, directory / HEADS_NAME)
-        from hil.provenance import write_json_atomic
-
         write_json_atomic(directory / CONFIG_NAME, provenance(self.settings(), **(extra or {})))
         return directory
 
@@ -149,8 +154,13 @@ class ColBERTEncoder(MultiVectorEncoder):
     architecture = "colbert"
     head_names = ("colbert",)
 
-    def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
+    def __init__(self, backbone: str = "bert-base-uncased", dim: int = 128, query_maxlen: int = 32,
+                 doc_maxlen: int = 180, query_marker: str = QUERY_MARKER, doc_marker: str = DOC_MARKER,
+                 mask_punctuation: bool = True,
+                 _loaded: tuple[PreTrainedModel, PreTrainedTokenizerBase] | None = None):
+        super().__init__(backbone, dim=dim, query_maxlen=query_maxlen, doc_maxlen=doc_maxlen,
+                         query_marker=query_marker, doc_marker=doc_marker, mask_punctuation=mask_punctuation,
+                         _loaded=_loaded)
         self.linear = nn.Linear(self.hidden_size, self.dim, bias=False)
 
     def hidden_states(self, batch: TokenizedBatch) -> Tensor:

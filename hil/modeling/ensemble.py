@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from hil.data.tokenization import ColBERTTokenizer, TokenizedBatch
 from hil.modeling.contracts import EncodedBatch, Encoder
-from hil.modeling.encoder import CONFIG_NAME, MultiVectorEncoder, read_export_config
+from hil.modeling.encoder import CONFIG_NAME, MultiVectorEncoder
 from hil.provenance import provenance, write_json_atomic
 
 MEMBER_HEADS = ("iso", "aniso")
@@ -149,18 +149,3 @@ class EnsembleEncoder(Encoder):
             self.members[name].save_pretrained(directory / name)
         write_json_atomic(directory / CONFIG_NAME, provenance(self.settings(), **(extra or {})))
         return directory
-
-    @classmethod
-    def from_pretrained(cls, directory: str | Path) -> "EnsembleEncoder":
-        from hil.modeling.loading import load_encoder
-
-        directory = Path(directory)
-        settings = read_export_config(directory)["settings"]
-        if settings.get("architecture") != cls.architecture:
-            raise ValueError(f"{directory / CONFIG_NAME}: architecture is {settings.get('architecture')!r}, "
-                             f"not {cls.architecture!r}")
-        weights = settings.get("weights", {})
-        members = [load_encoder(directory / name) for name in MEMBER_HEADS]
-        sources = settings.get("backbone") or {}
-        return cls(*members, weights=(float(weights.get("iso", 1.0)), float(weights.get("aniso", 1.0))),
-                   sources=[sources.get(name) or str(directory / name) for name in MEMBER_HEADS])

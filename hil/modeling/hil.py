@@ -20,7 +20,8 @@ Choices where the paper is silent:
 - IDF: BM25 form, special tokens and markers weighted 0 (see ``hil.data.idf``). Query tokens with weight 0 are
   left out of the lexical head altogether (its moments, its sum and InterIso_L); H uses every query token as
   ColBERT does. The table is a buffer (``idf``), so it travels with checkpoints and exports; a fresh encoder has
-  uniform weights 1 until ``set_idf`` / ``set_idf_from_texts`` (``HILModule`` computes it at ``setup``).
+  uniform weights 1 until ``set_idf`` / ``set_idf_from_texts`` (at the start of training the module computes it
+  from the documents the data module names, ``data.idf_source``; see ``hil.data.idf.idf_documents``).
 - z-score statistics: in training, one mean and one std per head over every (query token, document) score of the
   batch's (q, d+) and (q, d-) pairs (the tokens that take part in that head), std = sqrt(var + eps), with
   gradients flowing through them (as BatchNorm). They also update running estimates (``zscore.L`` / ``zscore.H``,
@@ -31,22 +32,20 @@ Choices where the paper is silent:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from hil.data.idf import IDFTable
 from hil.data.tokenization import DOC_MARKER, QUERY_MARKER, TokenizedBatch
-from hil.isotropy.metrics import inter_iso
-from hil.modeling.distributed import pooled_moments
 from hil.modeling.contracts import EncodedBatch
+from hil.modeling.distributed import pooled_moments
 from hil.modeling.encoder import MultiVectorEncoder
 from hil.modeling.hil_scoring import (DEFAULT_EPS, batch_moments, hil_token_scores, lexical_query_mask,
                                       zscored_late_interaction)
-from hil.modeling.module import RetrieverModule
-from hil.modeling.scoring import pairwise_ce_loss
 
 HEADS = ("L", "H")
 
@@ -97,7 +96,8 @@ class HILEncoder(MultiVectorEncoder):
     def __init__(self, backbone: str = "bert-base-uncased", dim: int = 128, query_maxlen: int = 32,
                  doc_maxlen: int = 180, query_marker: str = QUERY_MARKER, doc_marker: str = DOC_MARKER,
                  mask_punctuation: bool = True, zscore_momentum: float = 0.1, zscore_eps: float = DEFAULT_EPS,
-                 idf_source: str | None = None, _loaded: Any = None):
+                 idf_source: str | None = None,
+                 _loaded: tuple[PreTrainedModel, PreTrainedTokenizerBase] | None = None):
         super().__init__(backbone, dim=dim, query_maxlen=query_maxlen, doc_maxlen=doc_maxlen,
                          query_marker=query_marker, doc_marker=doc_marker, mask_punctuation=mask_punctuation,
                          _loaded=_loaded)
@@ -119,6 +119,11 @@ class HILEncoder(MultiVectorEncoder):
     def has_idf(self) -> bool:
         return int(self.idf_documents) > 0
 
+    @property
+    def needs_idf(self) -> bool:
+        """No IDF table yet: training computes one from its collection (a loaded or resumed model keeps its own)."""
+        return not self.has_idf
+
     def set_idf(self, table: IDFTable) -> None:
         """Store ``table``'s weights in the ``idf`` buffer (padded to the embedding count with the unseen weight)."""
         weights = table.to_tensor(self.vocab_size)
@@ -127,7 +132,7 @@ class HILEncoder(MultiVectorEncoder):
             self.idf_documents.fill_(table.n_documents)
         self.idf_source = table.describe()
 
-    def set_idf_from_texts(self, texts: Any, source: str = "", batch_size: int = 1024) -> IDFTable:
+    def set_idf_from_texts(self, texts: Iterable[str], source: str = "", batch_size: int = 1024) -> IDFTable:
         """Compute IDF over ``texts`` (e.g. the target corpus at evaluation) with this model's tokenizer; store it."""
         table = IDFTable.from_texts(self.tokenizer, texts, batch_size=batch_size, vocab_size=self.vocab_size,
                                     source=source)
@@ -198,124 +203,3 @@ class HILEncoder(MultiVectorEncoder):
                 mean, std = self.running_moments(head)
             late[head] = zscored_late_interaction(scores[head], masks[head], mean, std, eps=self.zscore_eps)
         return late, masks
-
-
-class HILModule(RetrieverModule):
-    """ColBERT-HIL training (HIL Sec. 3.3) and its ablations (``reg_l`` / ``reg_h`` switch the two terms off).
-
-    Args:
-        backbone, dim, query_maxlen, doc_maxlen, query_marker, doc_marker, mask_punctuation: as ``ColBERTModule``.
-        reg_weight: lambda; the paper's best is -0.3 (A.3). The loss adds ``lambda * (L_reg_L + L_reg_H)`` with
-            ``L_reg_L = -|InterIso_L|`` and ``L_reg_H = InterIso_H`` (averaged over the (q, d+) and (q, d-) pairs),
-            so a negative lambda pushes InterIso_L toward 0 and InterIso_H toward 1 (a larger Delta InterIso).
-        reg_l, reg_h: keep each regularization term (False drops it: the ablation configs).
-        zscore_momentum, zscore_eps: running z-score statistics (see ``HILEncoder``).
-        idf_source: where the IDF table comes from when the model has none yet (computed at ``setup('fit')``;
-            a model from ``init_from`` or a resumed checkpoint keeps its own):
-            ``"train"`` the distinct passages of the training triples (the paper trains and takes IDF on MS
-            MARCO; its training passages are the in-domain collection at hand), ``"none"`` uniform weights 1 (an
-            ablation), a path to a ``query TAB positive TAB negative`` file (its passages), or a BEIR dataset name
-            or folder (its corpus).
-        idf_max_docs: use at most the first N distinct documents (None: all).
-        lr, weight_decay, adam_eps, warmup_steps, init_from, on_nonfinite_loss: see ``RetrieverModule``.
-    """
-
-    def __init__(self, backbone: str = "bert-base-uncased", dim: int = 128, query_maxlen: int = 32,
-                 doc_maxlen: int = 180, query_marker: str = QUERY_MARKER, doc_marker: str = DOC_MARKER,
-                 mask_punctuation: bool = True, reg_weight: float = -0.3, reg_l: bool = True, reg_h: bool = True,
-                 zscore_momentum: float = 0.1, zscore_eps: float = DEFAULT_EPS, idf_source: str = "train",
-                 idf_max_docs: int | None = None, lr: float = 3e-6, weight_decay: float = 0.0,
-                 adam_eps: float = 1e-8, warmup_steps: int = 0, init_from: str | None = None,
-                 on_nonfinite_loss: str = "raise"):
-        super().__init__(lr=lr, weight_decay=weight_decay, adam_eps=adam_eps, warmup_steps=warmup_steps,
-                         init_from=init_from, on_nonfinite_loss=on_nonfinite_loss)
-        if idf_max_docs is not None and idf_max_docs < 1:
-            raise ValueError(f"model.idf_max_docs must be >= 1 or null (got {idf_max_docs})")
-        self.save_hyperparameters()
-        self.encoder = HILEncoder(backbone, dim=dim, query_maxlen=query_maxlen, doc_maxlen=doc_maxlen,
-                                  query_marker=query_marker, doc_marker=doc_marker, mask_punctuation=mask_punctuation,
-                                  zscore_momentum=zscore_momentum, zscore_eps=zscore_eps)
-        self.load_initial_weights()
-
-    # -- IDF at setup ----------------------------------------------------------------------------------------------
-    def setup(self, stage: str) -> None:
-        if stage == "fit" and not self.encoder.has_idf and self.hparams.idf_source != "none":
-            texts, source = self.idf_documents()
-            self.encoder.set_idf_from_texts(texts, source=source)
-
-    def idf_documents(self) -> tuple[list[str], str]:
-        """The documents ``idf_source`` names (distinct, in first-seen order, at most ``idf_max_docs``), and a label."""
-        source, limit = str(self.hparams.idf_source), self.hparams.idf_max_docs
-        if source == "train":
-            datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
-            dataset = getattr(datamodule, "train_dataset", None)
-            triples = getattr(dataset, "triples", None)
-            if triples is None:
-                raise ValueError("model.idf_source=train needs a datamodule with train_dataset.triples (the "
-                                 "TriplesDataModule); otherwise set model.idf_source to a triples file or a BEIR "
-                                 "dataset")
-            texts = _distinct((text for t in triples for text in (t.positive, t.negative)), limit)
-            return texts, "training triples' passages"
-        from pathlib import Path
-
-        from hil.paths import resolve_data_file
-
-        try:
-            path = resolve_data_file(source)
-        except FileNotFoundError:
-            path = None
-        if path is not None and path.is_file():
-            from hil.data.triples import iter_triples
-
-            texts = _distinct((text for _, t in iter_triples(path) for text in (t.positive, t.negative)), limit)
-            return texts, f"passages of {path}"
-        from hil.data.beir import load_beir
-
-        try:
-            dataset = load_beir(source)
-        except FileNotFoundError as error:
-            raise FileNotFoundError(f"model.idf_source={source!r}: not 'train', 'none', a triples file or a BEIR "
-                                    f"dataset ({error})") from None
-        texts = dataset.documents()
-        return (texts[:limit] if limit else texts), f"corpus of {dataset.name} ({Path(dataset.source).name})"
-
-    # -- loss ------------------------------------------------------------------------------------------------------
-    def compute_loss(self, batch: dict[str, list[str]]) -> tuple[Tensor, dict[str, Tensor]]:
-        n = len(batch["queries"])
-        queries = self.encoder.encode_queries(batch["queries"])                           # heads (B, Lq, D)
-        docs = self.encoder.encode_documents(batch["positives"] + batch["negatives"])     # heads (2B, Ld, D)
-        # Queries once, documents as [positives; negatives]: pair_index says which query each document goes with.
-        pair_index = torch.arange(n, device=docs.mask.device).repeat(2)                   # (2B,)
-        late, query_masks = self.encoder.training_pair_scores(queries, docs, pair_index)  # head -> (2B,)
-        loss_late = {head: pairwise_ce_loss(late[head][:n], late[head][n:]) for head in HEADS}
-
-        paired = queries.select(pair_index)
-        iso = {head: inter_iso(paired.heads[head], docs.heads[head], query_masks[head], docs.mask)  # (2B,)
-               for head in HEADS}
-        reg_L = -iso["L"].abs().mean()   # -|InterIso_L|, |.| per pair
-        reg_H = iso["H"].mean()          # InterIso_H
-        hp = self.hparams
-        reg = reg_L * float(hp.reg_l) + reg_H * float(hp.reg_h)
-        loss = loss_late["L"] + loss_late["H"] + hp.reg_weight * reg
-
-        total = late["L"] + late["H"]
-        positive, negative = total[:n], total[n:]
-        parts = {"loss_late_L": loss_late["L"], "loss_late_H": loss_late["H"], "loss_reg_L": reg_L,
-                 "loss_reg_H": reg_H, "inter_iso_L": iso["L"].mean(), "inter_iso_H": iso["H"].mean(),
-                 "delta_inter_iso": iso["H"].mean() - iso["L"].mean(),
-                 "pair_accuracy": (positive > negative).float().mean(),
-                 "score_margin": (positive - negative).mean()}
-        for head in HEADS:
-            mean, std = self.encoder.running_moments(head)
-            parts[f"zscore_mean_{head}"] = mean
-            parts[f"zscore_std_{head}"] = std
-        return loss, {k: v.detach().float() for k, v in parts.items()}
-
-
-def _distinct(texts: Any, limit: int | None) -> list[str]:
-    seen: dict[str, None] = {}
-    for text in texts:
-        seen.setdefault(text, None)
-        if limit is not None and len(seen) >= limit:
-            break
-    return list(seen)

@@ -1,27 +1,23 @@
-"""Load any trained retriever from an export directory or a Lightning checkpoint."""
+"""Load any trained retriever: an export directory, a Lightning checkpoint, a ColBERT-lambda pair, or a bare backbone.
+
+``ARCHITECTURES`` maps the ``architecture`` recorded in every export and checkpoint to its encoder class. This module
+is the only one that knows every encoder class (the encoders never import it), so the import graph stays one-way.
+"""
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
-from hil.modeling.encoder import ColBERTEncoder, MultiVectorEncoder, read_export_config
+from hil.modeling.contracts import Encoder
+from hil.modeling.encoder import CONFIG_NAME, ColBERTEncoder, MultiVectorEncoder, read_export_config
+from hil.modeling.ensemble import MEMBER_HEADS, EnsembleEncoder
+from hil.modeling.hil import HILEncoder
 
-ARCHITECTURES: dict[str, str] = {
-    "colbert": "hil.modeling.encoder.ColBERTEncoder",
-    "hil": "hil.modeling.hil.HILEncoder",
-    "ensemble": "hil.modeling.ensemble.EnsembleEncoder",
-}
-
+ARCHITECTURES: dict[str, type[MultiVectorEncoder]] = {"colbert": ColBERTEncoder, "hil": HILEncoder}
 ENSEMBLE_SEPARATOR = "+"
-
-
-def _import(dotted: str):
-    module, _, name = dotted.rpartition(".")
-    return getattr(importlib.import_module(module), name)
 
 
 def split_ensemble_source(source: str | Path | Sequence[str | Path]) -> list[str] | None:
@@ -37,7 +33,41 @@ def split_ensemble_source(source: str | Path | Sequence[str | Path]) -> list[str
     return None
 
 
-def load_encoder(source: str | Path | Sequence[str | Path], **backbone_settings) -> MultiVectorEncoder:
+def _architecture(settings: dict[str, Any], where: Path) -> type[MultiVectorEncoder]:
+    architecture = settings.get("architecture")
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"{where}: unknown architecture {architecture!r}; known: "
+                         f"{sorted([*ARCHITECTURES, EnsembleEncoder.architecture])}")
+    return ARCHITECTURES[architecture]
+
+
+def load_ensemble(directory: Path) -> EnsembleEncoder:
+    """An exported ColBERT-lambda: ``<dir>/iso`` and ``<dir>/aniso`` member exports plus its ``hil_config.json``."""
+    settings = read_export_config(directory)["settings"]
+    weights = settings.get("weights", {})
+    members = [load_encoder(directory / name) for name in MEMBER_HEADS]
+    sources = settings.get("backbone") or {}
+    return EnsembleEncoder(*members, weights=(float(weights.get("iso", 1.0)), float(weights.get("aniso", 1.0))),
+                           sources=[sources.get(name) or str(directory / name) for name in MEMBER_HEADS])
+
+
+def encoder_from_checkpoint(path: Path) -> MultiVectorEncoder:
+    """The encoder of a Lightning ``.ckpt`` written by ``train.py``: built from the settings the checkpoint records
+    (``checkpoint["hil"]["settings"]``), then given its ``encoder.*`` weights (every one, strictly)."""
+    checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    meta = checkpoint.get("hil")
+    if meta is None or "settings" not in meta:
+        raise ValueError(f"{path}: not a hil checkpoint (no 'hil' record)")
+    settings = dict(meta["settings"])
+    cls = _architecture(settings, path)
+    settings.pop("architecture")
+    encoder = cls(**settings)
+    state = {k.removeprefix("encoder."): v for k, v in checkpoint["state_dict"].items() if k.startswith("encoder.")}
+    encoder.load_state_dict(state)
+    return encoder
+
+
+def load_encoder(source: str | Path | Sequence[str | Path], **backbone_settings: Any) -> Encoder:
     """An encoder in eval mode from an export directory, a ``.ckpt``, or a bare backbone.
 
     A bare backbone gets an untrained ColBERT head (a random projection; seed torch first for a fixed one) built
@@ -49,8 +79,6 @@ def load_encoder(source: str | Path | Sequence[str | Path], **backbone_settings)
     """
     members = split_ensemble_source(source)
     if members is not None:
-        from hil.modeling.ensemble import EnsembleEncoder
-
         if len(members) != 2 or not all(members):
             raise ValueError(f"ensemble source {source!r}: give exactly two models, iso then aniso "
                              f"(\"iso.ckpt+aniso.ckpt\" or a list of two)")
@@ -61,19 +89,15 @@ def load_encoder(source: str | Path | Sequence[str | Path], **backbone_settings)
         loaded = [load_encoder(member) for member in members]
         return EnsembleEncoder(*loaded, weights=weights, sources=members).eval()
     path = Path(source)
-    if path.is_dir() and (path / "hil_config.json").is_file():
-        architecture = read_export_config(path)["settings"]["architecture"]
-        if architecture not in ARCHITECTURES:
-            raise ValueError(f"{path}: unknown architecture {architecture!r}; known: {sorted(ARCHITECTURES)}")
-        encoder = _import(ARCHITECTURES[architecture]).from_pretrained(path)
+    encoder: Encoder
+    if path.is_dir() and (path / CONFIG_NAME).is_file():
+        settings = read_export_config(path)["settings"]
+        if settings.get("architecture") == EnsembleEncoder.architecture:
+            encoder = load_ensemble(path)
+        else:
+            encoder = _architecture(settings, path / CONFIG_NAME).from_pretrained(path)
     elif path.is_file() and path.suffix == ".ckpt":
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-        meta = checkpoint.get("hil")
-        if meta is None:
-            raise ValueError(f"{path}: not a hil checkpoint (no 'hil' record)")
-        module = _import(meta["module_class"])(**{**checkpoint["hyper_parameters"], "init_from": None})
-        module.load_state_dict(checkpoint["state_dict"])
-        encoder = module.encoder
+        encoder = encoder_from_checkpoint(path)
     else:
         encoder = ColBERTEncoder(str(source), **backbone_settings)
     return encoder.eval()

@@ -1,4 +1,4 @@
-"""Late interaction (MaxSim) and the losses built on it, as pure tensor functions.
+"""Late interaction (MaxSim, ColBERT Eq. 1 / HIL Eq. 1) as pure tensor functions; the losses on it: ``losses.py``.
 
 Shapes: B batch, Lq query tokens, Ld document tokens, D embedding dimension. Masks are boolean, True where a
 token takes part. Embeddings are assumed L2-normalized by the encoder, so a dot product is a cosine.
@@ -7,7 +7,6 @@ token takes part. Embeddings are assumed L2-normalized by the encoder, so a dot 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -64,19 +63,3 @@ def late_interaction_matrix(queries: Tensor, docs: Tensor, query_mask: Tensor | 
                             doc_mask: Tensor | None = None) -> Tensor:
     """Eq. 1 for every (query, document) pair. -> (Bq, Bd)"""
     return sum_query_tokens(maxsim_matrix(queries, docs, doc_mask), query_mask)
-
-
-def pairwise_ce_loss(positive_scores: Tensor, negative_scores: Tensor) -> Tensor:
-    """L_late = CE(score(q, d+), score(q, d-)): softmax cross-entropy over each (positive, negative) pair."""
-    logits = torch.stack([positive_scores, negative_scores], dim=1)  # (B, 2)
-    return F.cross_entropy(logits, torch.zeros(len(logits), dtype=torch.long, device=logits.device))
-
-
-def in_batch_ce_loss(score_matrix: Tensor) -> Tensor:
-    """Cross-entropy where query i's positive is column i and every other column is a negative.
-
-    score_matrix (B, N) with N >= B: the first B columns are the positives of the B queries in order, the rest
-    (e.g. the hard negatives) are negatives for every query.
-    """
-    targets = torch.arange(score_matrix.shape[0], device=score_matrix.device)
-    return F.cross_entropy(score_matrix, targets)
