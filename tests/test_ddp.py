@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from hil.modeling.distributed import any_rank, gather_encoded, gather_padded, is_distributed
+from hil.modeling.distributed import gather_encoded, gather_padded, is_distributed
 from hil.modeling.scoring import late_interaction_matrix
 
 REPO = Path(__file__).resolve().parents[1]
@@ -124,7 +124,6 @@ def _gather_worker(rank: int, world: int, port: int) -> None:
         assert float(d.grad.abs().sum()) > 0
 
         assert is_distributed()
-        assert any_rank(rank == 1) and not any_rank(False)
     finally:
         dist.destroy_process_group()
 
@@ -182,7 +181,6 @@ def test_single_process_gather_is_identity():
     x, mask = torch.randn(2, 3, 4), torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool)
     gathered = gather_padded(x, mask)
     assert gathered.values is x and torch.equal(gathered.mask, mask) and gathered.offset == 0
-    assert any_rank(True) and not any_rank(False)
 
 
 # -- the CLI under DDP ----------------------------------------------------------------------------------------------
@@ -234,4 +232,4 @@ def test_cli_ddp_two_cpu_processes(shared_dir, tmp_path):
     state = torch.load(checkpoint_dir / "last.ckpt", map_location="cpu", weights_only=False)
     assert state["global_step"] == 2
     loader_state = state["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]
-    assert loader_state == {"epoch": 0, "consumed": 32, "world_size": 2, "batch_size": 8}
+    assert loader_state["_sampler_iter_state"]["sampler_state"] == {"epoch": 0, "consumed": 32, "world_size": 2}

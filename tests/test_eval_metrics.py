@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hil.evaluation.metrics import (evaluate_run, mrr_at_k_reference, ndcg_at_k_reference, parse_metric,
-                                    recall_at_k_reference)
+from hil.evaluation.metrics import evaluate_run, parse_metric
 from hil.evaluation.runs import ranked, read_trec_run, top_k, write_trec_run
+from reference_metrics import mrr_at_k_reference, ndcg_at_k_reference, recall_at_k_reference
 
 log2 = math.log2
 

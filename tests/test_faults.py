@@ -24,7 +24,9 @@ import pytorch_lightning as pl
 import torch
 from torch import nn
 
-from hil.data.datamodule import EpochShuffleSampler, ResumableDataLoader, TriplesDataModule
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from hil.data.datamodule import EpochShuffleSampler, TriplesDataModule
 from hil.modeling.callbacks import NonFiniteGuard, NonFiniteLossError, step_seed
 from hil.modeling.encoder import ColBERTEncoder
 from hil.modeling.losses import LossOutput, PairwiseCE
@@ -148,8 +150,8 @@ def test_sigkill_mid_epoch_then_resume_equals_uninterrupted_run(shared_dir, tmp_
     last = load(killed_checkpoints / "last.ckpt")
     assert last["global_step"] == 2
     # the loader's position: 2 batches of 8 of epoch 0 consumed (the 3rd, already fetched when killed, is not)
-    assert last["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [
-        {"epoch": 0, "consumed": 16, "world_size": 1, "batch_size": 8}]
+    (loader_state,) = last["loops"]["fit_loop"]["state_dict"]["combined_loader"]
+    assert sampler_state(loader_state) == {"epoch": 0, "consumed": 16, "world_size": 1}
     # the crashed process computed exactly what the reference computed up to step 2
     reference_step2 = load(reference_root / "checkpoints" / "epoch=0-step=2.ckpt")
     assert_same_tensors(last["state_dict"], reference_step2["state_dict"], "weights at step 2")
@@ -180,9 +182,9 @@ def test_sigkill_mid_epoch_then_resume_equals_uninterrupted_run(shared_dir, tmp_
     adam_steps = {int(s["step"]) for s in final_resumed["optimizer_states"][0]["state"].values()}
     assert adam_steps == {6}
     assert final_resumed["lr_schedulers"][0]["last_epoch"] == 6
-    assert (final_resumed["loops"]["fit_loop"]["state_dict"]["combined_loader"]
-            == final_reference["loops"]["fit_loop"]["state_dict"]["combined_loader"]
-            == [{"epoch": 1, "consumed": 16, "world_size": 1, "batch_size": 8}])
+    loader_states = [sampler_state(final["loops"]["fit_loop"]["state_dict"]["combined_loader"][0])
+                     for final in (final_resumed, final_reference)]
+    assert loader_states == [{"epoch": 1, "consumed": 16, "world_size": 1}] * 2
     # and dropout was on: without it, matching weights would not show that its randomness is restored
     assert cli.model.encoder.backbone.config.hidden_dropout_prob > 0
 
@@ -200,14 +202,19 @@ def write_triples(path: Path, n: int) -> Path:
     return path
 
 
-def loader_for(path: Path, batch_size: int = 4, num_replicas: int = 1, rank: int = 0) -> ResumableDataLoader:
+def loader_for(path: Path, batch_size: int = 4, num_replicas: int = 1, rank: int = 0) -> StatefulDataLoader:
     data = TriplesDataModule(triples=str(path), batch_size=batch_size, seed=7)
     data.setup("fit")
     sampler = EpochShuffleSampler(len(data.train_dataset), 7, num_replicas=num_replicas, rank=rank)
     from hil.data.datamodule import collate_triples
 
-    return ResumableDataLoader(data.train_dataset, batch_size=batch_size, sampler=sampler,
-                               collate_fn=collate_triples)
+    return StatefulDataLoader(data.train_dataset, batch_size=batch_size, sampler=sampler,
+                              collate_fn=collate_triples, generator=torch.Generator().manual_seed(0))
+
+
+def sampler_state(loader_state: dict) -> dict:
+    """The position a StatefulDataLoader saved: its (stateful) sampler's state."""
+    return loader_state["_sampler_iter_state"]["sampler_state"]
 
 
 def queries(batches) -> list[str]:
@@ -226,7 +233,7 @@ def test_loader_resumes_at_the_next_unseen_batch(tmp_path, stop_after):
     for _ in range(stop_after):
         next(iterator)
     state = crashed.state_dict()
-    assert state == {"epoch": 0, "consumed": 4 * stop_after, "world_size": 1, "batch_size": 4}
+    assert sampler_state(state) == {"epoch": 0, "consumed": 4 * stop_after, "world_size": 1}
 
     resumed = loader_for(path)
     resumed.load_state_dict(state)
@@ -242,7 +249,7 @@ def test_a_finished_epoch_resumes_at_the_start_of_the_next(tmp_path):
     loader.sampler.set_epoch(0)
     list(iter(loader))
     state = loader.state_dict()
-    assert state["consumed"] == 12
+    assert sampler_state(state)["consumed"] == 12
     resumed = loader_for(path)
     resumed.load_state_dict(state)
     resumed.sampler.set_epoch(1)  # what Lightning does when the checkpoint was taken at the end of epoch 0
@@ -260,7 +267,7 @@ def test_resume_on_a_different_world_size_skips_the_same_prefix(tmp_path):
         iterator = iter(loader)
         seen += queries([next(iterator), next(iterator)])  # 2 batches of 3 on each of 2 ranks: 12 items
     state = two[0].state_dict()
-    assert state["consumed"] == 12 and state["world_size"] == 2
+    assert sampler_state(state) == {"epoch": 0, "consumed": 12, "world_size": 2}
     single = loader_for(path, batch_size=3)
     single.load_state_dict(state)
     single.sampler.set_epoch(0)

@@ -11,9 +11,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hil.isotropy.postprocess import (
-    MomentAccumulator, NICEFlow, RemoveTopPCs, Standardize, TransformPipeline, Whitening, fit_transform_from_config,
-    fit_whitening, load_transform, make_transform, parse_transform_spec, pool_for_fitting, transform_encoded)
+from hil.isotropy.linear_transforms import MomentAccumulator, RemoveTopPCs, Standardize, Whitening
+from hil.isotropy.nice_flow import NICEFlow
+from hil.isotropy.postprocess import (TransformPipeline, fit_transform_from_config, fit_whitening, load_transform,
+                                      make_transform, parse_transform_spec, pool_for_fitting)
 
 
 def correlated_gaussian(n: int = 20000, dim: int = 8, seed: int = 0, dtype=torch.float64) -> torch.Tensor:
@@ -150,6 +151,24 @@ def test_whitening_fit_moments_equals_fit():
     direct = Whitening().fit(x.float())
     assert torch.allclose(streamed.projection, direct.projection, atol=1e-10)
     assert torch.allclose(streamed.mean, direct.mean, atol=1e-12)
+
+
+@pytest.mark.parametrize("make", [lambda: RemoveTopPCs(n_components=2, renormalize=False),
+                                  lambda: Standardize(renormalize=False)])
+def test_every_linear_transform_fits_from_streamed_moments(make):
+    # the moments of a corpus fed in chunks give the same transform as fitting on all vectors at once
+    x = correlated_gaussian(n=3000, seed=8)
+    acc = MomentAccumulator()
+    for chunk in x.split(700):
+        acc.update(chunk)
+    streamed = make().fit_moments(acc.mean, acc.covariance, acc.count)
+    direct = make().fit(x)
+    assert streamed.fit_info == pytest.approx(direct.fit_info, rel=1e-12)
+    for name, tensor in direct._state().items():
+        assert torch.allclose(streamed._state()[name], tensor, atol=1e-10), name
+    assert torch.allclose(streamed.transform(x[:50]), direct.transform(x[:50]), atol=1e-10)
+    with pytest.raises(ValueError, match="fit_moments: expected mean"):
+        make().fit_moments(acc.mean, acc.covariance[:3])
 
 
 def test_pool_for_fitting_token_and_sequence_against_loops():
@@ -363,6 +382,21 @@ def test_save_load_roundtrip_is_identical(examples, tmp_path: Path):
         load_transform(tmp_path / "bad.pt")
 
 
+def test_save_is_atomic(tmp_path: Path, monkeypatch):
+    path = Whitening().fit(correlated_gaussian(n=100)).save(tmp_path / "t.pt")
+    before = path.read_bytes()
+
+    def interrupted_save(payload, file):  # half a file written, then the disk fills up
+        Path(file).write_bytes(b"half")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", interrupted_save)
+    with pytest.raises(OSError, match="disk full"):
+        Standardize().fit(correlated_gaussian(n=100)).save(path)
+    assert path.read_bytes() == before  # the old file is untouched
+    assert [p.name for p in tmp_path.iterdir()] == ["t.pt"]  # and no temporary is left behind
+
+
 # ------------------------------------------------------------------------------------ registry, pipelines
 
 def test_parse_transform_spec():
@@ -424,29 +458,3 @@ def test_fit_transform_from_config_token_embeddings_with_mask():
     assert torch.allclose(pipeline.steps[0].projection, direct.projection)
     nice = fit_transform_from_config("nice:epochs=1:batch_size=32:hidden=8", emb.float(), mask=mask)
     assert nice.steps[0].dim == 4 and nice.steps[0].fit_info["batch_size"] == 32
-
-
-# ------------------------------------------------------------------------------------------ encoded batches
-
-@pytest.mark.integration
-def test_transform_encoded_on_a_colbert_batch(tiny_random_colbert):
-    docs = ["isotropy of token embeddings", "whitening makes the covariance the identity matrix",
-            "a normalizing flow maps data to a gaussian", "late interaction sums maxsim scores"] * 4
-    with torch.no_grad():
-        encoded = tiny_random_colbert.encode_documents(docs)
-    emb = encoded.heads["colbert"]
-    whitening = fit_whitening(emb, mode="token", mask=encoded.mask)
-    out = transform_encoded(encoded, whitening)
-    new = out.heads["colbert"]
-    assert new.shape == emb.shape and torch.equal(out.mask, encoded.mask)
-    assert torch.all(new[~encoded.mask] == 0)
-    assert torch.allclose(new[encoded.mask].norm(dim=-1), torch.ones(int(encoded.mask.sum())), atol=1e-5)
-
-    def avgcos(v: torch.Tensor) -> float:  # 000 Eq. 4 over distinct pairs
-        sims = v @ v.T
-        n = len(v)
-        return float((sims.sum() - sims.diagonal().sum()) / (n * (n - 1)))
-
-    assert avgcos(new[encoded.mask]) < avgcos(emb[encoded.mask])
-    with pytest.raises(KeyError, match="no head"):
-        transform_encoded(encoded, whitening, heads=["missing"])

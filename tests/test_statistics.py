@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -138,16 +139,81 @@ def test_exact_permutation_equals_enumeration(diff):
 
 
 def test_monte_carlo_permutation_is_within_error_of_exact():
-    diff = [0.30, 0.12, -0.05, 0.22, 0.08, -0.10, 0.15, 0.02]  # n = 8, 256 sign patterns
-    a = {f"q{i}": 0.5 + d for i, d in enumerate(diff)}
-    b = {f"q{i}": 0.5 for i in range(8)}
+    # n = 12: 4096 sign patterns, more than n_permutations, so the random (Monte Carlo) path runs
+    diff = [0.30, 0.12, -0.05, 0.22, 0.08, -0.10, 0.15, 0.02, 0.20, 0.04, -0.07, 0.11]
+    a = {f"q{i:02d}": 0.5 + d for i, d in enumerate(diff)}
+    b = {f"q{i:02d}": 0.5 for i in range(len(diff))}
     exact = _exact_permutation_p(diff)
     assert paired_permutation_test(a, b).p_value == pytest.approx(exact)
-    n_perm = 20000
+    n_perm = 3000
     mc = paired_permutation_test(a, b, n_permutations=n_perm, exact=False, seed=3)
     assert mc.method == "paired_permutation"
     assert abs(mc.p_value - exact) < 4 * math.sqrt(exact * (1 - exact) / n_perm) + 1 / n_perm
     assert 0.0 < exact < 0.2  # a meaningful, non-degenerate case
+    # scipy enumerates as soon as n_permutations >= 2^n, whatever exact says: then p is the exact one
+    enumerated = paired_permutation_test(a, b, n_permutations=4096, exact=False)
+    assert enumerated.method == "paired_permutation_exact" and enumerated.p_value == pytest.approx(exact)
+
+
+def test_permutation_exact_up_to_16_queries_then_random():
+    rng = np.random.default_rng(4)
+    for n, method in ((16, "paired_permutation_exact"), (17, "paired_permutation")):
+        diff = rng.normal(0.05, 0.2, size=n)
+        result = paired_permutation_test(diff, np.zeros(n), n_permutations=500)
+        assert result.method == method, n
+        assert result.statistic == result.mean_diff == pytest.approx(diff.mean())
+    with pytest.raises(ValueError, match="too large"):
+        paired_permutation_test(np.ones(25), np.zeros(25), exact=True)
+    one = paired_permutation_test([0.7], [0.2])  # +d and -d: the same |mean|
+    assert (one.p_value, one.method, one.mean_diff) == (1.0, "paired_permutation_exact", pytest.approx(0.5))
+
+
+def test_random_permutation_p_is_never_zero():
+    # every random pattern has a smaller |mean| than all-positive differences: p = (1 + 0) / (1 + B)
+    diff = np.linspace(0.1, 1.0, 30)
+    result = paired_permutation_test(diff, np.zeros(30), n_permutations=999, seed=1)
+    assert result.method == "paired_permutation" and result.p_value == pytest.approx(1 / 1000)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(-10, 10), min_size=2, max_size=9))
+def test_exact_permutation_counts_ties_as_exact_arithmetic_does(tenths):
+    # d = k / 10: sums of different patterns that are equal in exact arithmetic differ in float rounding; the
+    # reference counts with Fractions, without any tolerance
+    diff = [k / 10 for k in tenths]
+    exact_diff = [Fraction(k, 10) for k in tenths]
+    observed = abs(sum(exact_diff))
+    hits = sum(abs(sum(s * d for s, d in zip(signs, exact_diff))) >= observed
+               for signs in itertools.product((1, -1), repeat=len(diff)))
+    result = paired_permutation_test(diff, [0.0] * len(diff))
+    assert result.p_value == hits / 2 ** len(diff)
+
+
+def _bootstrap_test_reference(a, b, n_samples, seed, confidence):
+    """The paired bootstrap test written out: resample query indices, mean difference, shifted null, percentiles."""
+    diff = np.asarray(a) - np.asarray(b)
+    n = len(diff)
+    rng = np.random.default_rng(seed)
+    means = np.array([np.mean([diff[i] for i in rng.integers(0, n, size=n)]) for _ in range(n_samples)])
+    observed = diff.mean()
+    count = sum(abs(m - observed) >= abs(observed) - 1e-12 for m in means)
+    tail = 100 * (1 - confidence) / 2
+    return (1 + count) / (1 + n_samples), tuple(np.percentile(means, [tail, 100 - tail]))
+
+
+@pytest.mark.parametrize("n,n_samples,confidence,seed", [(30, 500, 0.95, 0), (57, 300, 0.9, 7)])
+def test_paired_bootstrap_matches_an_explicit_resampling_loop(n, n_samples, confidence, seed):
+    # scipy.stats.bootstrap draws rng.integers(0, n, (B, n)) from the Generator it is given, as this loop does
+    rng = np.random.default_rng(100 + n)
+    b = rng.uniform(0.2, 0.8, size=n)
+    a = b + rng.normal(0.03, 0.1, size=n)
+    p_value, (low, high) = _bootstrap_test_reference(a, b, n_samples, seed, confidence)
+    result = paired_bootstrap_test(a, b, n_samples=n_samples, seed=seed, confidence=confidence)
+    assert result.p_value == pytest.approx(p_value, abs=1e-12)
+    assert result.ci == pytest.approx((low, high), abs=1e-12)
+    assert result.statistic == result.mean_diff == pytest.approx(np.mean(a - b))
+    one = paired_bootstrap_test([0.7], [0.2], n_samples=99)  # every resample of one query is that query
+    assert one.ci == pytest.approx((0.5, 0.5)) and one.p_value == pytest.approx(1 / 100)
 
 
 def test_alignment_of_query_sets():

@@ -10,10 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hil.isotropy.postprocess import fit_transform_from_config
+from hil.isotropy.postprocess import fit_transform_from_config, fit_whitening
+from hil.modeling.contracts import EncodedBatch, Encoder
 from hil.modeling.scoring import late_interaction_matrix
-from hil.retrieval.index import (INDEX_JSON, build_index, encode_document_tokens, encoder_fingerprint,
-                                 eval_mode)
+from hil.retrieval.builder import build_index
+from hil.retrieval.encoding import encode_document_tokens, eval_mode
+from hil.retrieval.index import INDEX_JSON, encoder_fingerprint
 from hil.retrieval.transformed import (TransformedEncoder, derive_transformed_index, encode_sample,
                                        fit_head_transforms, fit_transformed_encoder, load_transforms,
                                        open_or_derive_index, sample_sequence_vectors, transform_file_name,
@@ -57,8 +59,8 @@ def test_surface_settings_and_fingerprint(whitened, tiny_random_colbert):
     assert settings["post_transform"]["heads"]["colbert"]["fingerprint"] == transform_fingerprint(
         encoder.transforms["colbert"])
     assert encoder_fingerprint(encoder) != encoder_fingerprint(tiny_random_colbert)
-    # attributes the wrapper does not define come from the wrapped model
-    assert encoder.backbone is tiny_random_colbert.backbone
+    # nothing is forwarded: the wrapped model's own attributes are reached through ``inner``
+    assert not hasattr(encoder, "backbone") and encoder.inner.backbone is tiny_random_colbert.backbone
     # another fit (different data) gives another fingerprint
     other = fit_head_transforms(encode_sample(tiny_random_colbert, TEXTS[:12]), "whitening")
     assert encoder_fingerprint(TransformedEncoder(tiny_random_colbert, other, spec="whitening")) != \
@@ -126,7 +128,7 @@ def test_sequence_mode_fits_on_document_means(tiny_random_colbert):
 
 def test_whitening_k_reduces_the_dimension(tiny_random_colbert):
     encoder = fit_transformed_encoder(tiny_random_colbert, "whitening:k=8", texts=TEXTS)
-    assert encoder.dim == 8
+    assert encoder.dim == encoder.settings()["dim"] == 8 and tiny_random_colbert.settings()["dim"] == 16
     with eval_mode(encoder):
         out = encoder.encode_queries(QUERIES)
     assert out.heads["colbert"].shape[-1] == 8
@@ -253,7 +255,7 @@ def test_hil_heads_are_transformed_each_with_its_own_fit(hf_tokenizer):
     encoder = fit_transformed_encoder(hil, "whitening", texts=TEXTS)
     assert encoder.head_names == ("L", "H") and set(encoder.transforms) == {"L", "H"}
     assert not torch.allclose(encoder.transforms["L"].steps[0].mean, encoder.transforms["H"].steps[0].mean)
-    assert encoder.has_idf == hil.has_idf  # read through from the wrapped model
+    assert encoder.inner.has_idf == hil.has_idf and not hasattr(encoder, "has_idf")  # no forwarding
     with eval_mode(encoder):
         queries, docs = encoder.encode_queries(QUERIES), encoder.encode_documents(TEXTS[:4])
         base_docs = hil.encode_documents(TEXTS[:4])
@@ -266,3 +268,87 @@ def test_hil_heads_are_transformed_each_with_its_own_fit(hf_tokenizer):
     # HIL's own scoring (IDF-weighted L + H with its z-scores) on the transformed vectors
     assert torch.allclose(scores, hil.score(queries, docs), atol=1e-6)
     assert torch.allclose(pairs, torch.diagonal(scores[:, :3]), atol=1e-4)
+
+
+# -- the Encoder contract, implemented by the wrapper itself -----------------------------------------------------
+
+ENCODER_MEMBERS = ("architecture", "head_names", "dim", "tokenizer", "device", "encode", "encode_queries",
+                   "encode_documents", "score_heads", "score", "score_pairs", "settings")
+
+
+def whiten_by_hand(batch: EncodedBatch, encoder: TransformedEncoder) -> EncodedBatch:
+    """Each head: z = normalize((x - mu) W) at valid tokens, 0 elsewhere (000 Eq. 10 and the cosine aggregator)."""
+    heads = {}
+    for head, x in batch.heads.items():
+        whitening = encoder.transforms[head].steps[0]
+        z = F.normalize((x.double() - whitening.mean) @ whitening.projection, dim=-1).to(x.dtype)
+        heads[head] = z * batch.mask.unsqueeze(-1).to(x.dtype)
+    return EncodedBatch(heads, batch.mask, batch.input_ids)
+
+
+def test_every_encoder_member_is_the_wrappers_own_and_equals_the_transform_by_hand(hf_tokenizer, monkeypatch):
+    from conftest import random_bert
+
+    from hil.modeling.hil import HILEncoder
+
+    torch.manual_seed(0)
+    hil = HILEncoder("random-bert", dim=16, query_maxlen=12, doc_maxlen=24,
+                     _loaded=(random_bert(), hf_tokenizer)).eval()
+    encoder = fit_transformed_encoder(hil, "whitening", texts=TEXTS)
+    assert isinstance(encoder, Encoder) and "__getattr__" not in vars(TransformedEncoder)
+    for member in ENCODER_MEMBERS:
+        assert member in vars(TransformedEncoder) or member in vars(encoder), member
+    assert not hasattr(encoder, "idf") and not hasattr(encoder, "set_idf_from_texts")  # HIL's own: via .inner
+    assert (encoder.architecture, encoder.head_names, encoder.dim) == (hil.architecture, hil.head_names, 16)
+    assert encoder.tokenizer is hil.tokenizer and encoder.device == hil.device
+    assert encoder.settings() == {**hil.settings(), "dim": 16, "post_transform": encoder.transform_settings()}
+    with eval_mode(encoder):
+        queries, docs = encoder.encode_queries(QUERIES), encoder.encode_documents(TEXTS[:3])
+        via_encode = encoder.encode(hil.tokenizer.encode_queries(QUERIES), is_query=True)
+        hand_q = whiten_by_hand(hil.encode_queries(QUERIES), encoder)
+        hand_d = whiten_by_hand(hil.encode_documents(TEXTS[:3]), encoder)
+        for got, expected in ((queries, hand_q), (via_encode, hand_q), (docs, hand_d)):
+            assert torch.equal(got.mask, expected.mask) and torch.equal(got.input_ids, expected.input_ids)
+            for head in ("L", "H"):
+                assert torch.allclose(got.heads[head], expected.heads[head], atol=1e-5), head
+        # scoring is the wrapped model's, on the transformed vectors
+        assert torch.allclose(encoder.score(queries, docs), hil.score(hand_q, hand_d), atol=1e-4)
+        assert torch.allclose(encoder.score_pairs(queries, docs), hil.score_pairs(hand_q, hand_d), atol=1e-4)
+        for all_pairs in (True, False):
+            got = encoder.score_heads(queries, docs, all_pairs=all_pairs)
+            expected = hil.score_heads(hand_q, hand_d, all_pairs=all_pairs)
+            assert set(got) == set(expected) == {"L", "H"}
+            for head in got:
+                assert got[head].shape == expected[head].shape
+                assert torch.allclose(got[head], expected[head], atol=1e-4), (head, all_pairs)
+    # encode passes is_query through (the encoders here give the same vectors either way, so record the calls)
+    calls, inner_encode = [], hil.encode
+    monkeypatch.setattr(hil, "encode", lambda batch, is_query: calls.append(is_query) or inner_encode(batch, is_query))
+    with eval_mode(encoder):
+        encoder.encode(hil.tokenizer.encode_queries(QUERIES), is_query=True)
+        encoder.encode(hil.tokenizer.encode_documents(TEXTS[:2]), is_query=False)
+    assert calls == [True, False]
+    with pytest.raises(TypeError, match="expected an Encoder"):
+        TransformedEncoder(torch.nn.Linear(16, 16), encoder.transforms)
+
+
+@pytest.mark.integration
+def test_transform_batch_on_a_colbert_batch(tiny_random_colbert):
+    docs = ["isotropy of token embeddings", "whitening makes the covariance the identity matrix",
+            "a normalizing flow maps data to a gaussian", "late interaction sums maxsim scores"] * 4
+    with torch.no_grad():
+        encoded = tiny_random_colbert.encode_documents(docs)
+    emb = encoded.heads["colbert"]
+    whitening = fit_whitening(emb, mode="token", mask=encoded.mask)
+    out = TransformedEncoder(tiny_random_colbert, {"colbert": whitening}).transform_batch(encoded)
+    new = out.heads["colbert"]
+    assert new.shape == emb.shape and torch.equal(out.mask, encoded.mask)
+    assert torch.all(new[~encoded.mask] == 0)
+    assert torch.allclose(new[encoded.mask].norm(dim=-1), torch.ones(int(encoded.mask.sum())), atol=1e-5)
+
+    def avgcos(v: torch.Tensor) -> float:  # 000 Eq. 4 over distinct pairs
+        sims = v @ v.T
+        n = len(v)
+        return float((sims.sum() - sims.diagonal().sum()) / (n * (n - 1)))
+
+    assert avgcos(new[encoded.mask]) < avgcos(emb[encoded.mask])

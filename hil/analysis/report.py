@@ -24,7 +24,6 @@ best-judged relevant document (003 uses gold passages); all sampling is seeded w
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
@@ -507,7 +506,3 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines += ["## Timings (s)", "", ", ".join(f"{k}: {v}" for k, v in report["timings_s"].items()), ""]
     return "\n".join(lines)
 
-
-def load_report(path: str | Path) -> dict[str, Any]:
-    with open(path, encoding="utf-8") as handle:
-        return json.load(handle)

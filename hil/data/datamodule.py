@@ -7,11 +7,12 @@ depends on a model and a checkpoint always tokenizes the way it was trained.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import pytorch_lightning as pl
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import Dataset, DistributedSampler
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from hil.data.triples import Triple, iter_triples, mine_bm25_triples, read_triples
 from hil.paths import resolve_data_file
@@ -52,9 +53,13 @@ class EpochShuffleSampler(DistributedSampler):
     makes Lightning keep this sampler instead of wrapping it in its ``DistributedSamplerWrapper`` (which would
     shard a second time and lose the resume position), so ``use_distributed_sampler`` can stay at its default.
 
-    Resuming: after ``k`` batches of ``b`` on each of ``W`` ranks, the prefix ``order[: k * b * W]`` of the epoch's
-    permutation has been consumed; ``resume_at(epoch, consumed)`` skips exactly that prefix (on any world size that
-    divides it) when that epoch is iterated next.
+    Resuming: the sampler is *stateful* (``state_dict`` / ``load_state_dict``), and torchdata's
+    ``StatefulDataLoader`` keeps its state in Lightning checkpoints. The state is the prefix of the epoch's
+    permutation handed out so far, counted over all ranks: ``{"epoch", "consumed", "world_size"}``; after ``k``
+    batches of ``b`` on each of ``W`` ranks, ``consumed = k * b * W``. ``load_state_dict`` (or ``resume_at``) skips
+    exactly that prefix when that epoch is iterated next -- on any world size that divides it; a finished epoch
+    resumes at the start of the next. Iteration is lazy: the permutation is drawn at the first item, after
+    Lightning has set the epoch (``set_epoch``).
 
     Args:
         size: number of items in the dataset.
@@ -71,23 +76,24 @@ class EpochShuffleSampler(DistributedSampler):
         super().__init__(range(size), num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
                          drop_last=drop_last)
         self.size = size
-        self.start = 0  # samples of this rank's shard to skip in the next iteration (then back to 0)
         self._resume: tuple[int | None, int] | None = None  # (epoch, samples of the permutation consumed)
+        self._position = (0, 0)  # (epoch, this rank's samples handed out) of the current iteration
 
     def resume_at(self, epoch: int | None, consumed: int) -> None:
         """Skip the first ``consumed`` items of epoch ``epoch``'s permutation (all ranks together) when it is next
         iterated; ``epoch=None`` applies to whichever epoch comes next."""
         self._resume = (epoch, int(consumed))
 
-    def resolve_start(self) -> int:
-        """Fix (and return) how many of this rank's samples the next iteration skips: a pending resume position
-        applies only if it belongs to the epoch about to be iterated (a finished epoch resumes at the next one)."""
+    def _start(self) -> int:
+        """How many of this rank's samples the iteration starting now skips: a pending resume position applies
+        only if it belongs to the epoch about to be iterated (a finished epoch resumes at the next one)."""
+        start = 0
         if self._resume is not None:
             epoch, consumed = self._resume
             self._resume = None
             if epoch is None or epoch == self.epoch:
-                self.start = min(consumed // self.num_replicas, self.num_samples)
-        return self.start
+                start = min(consumed // self.num_replicas, self.num_samples)
+        return start
 
     def permutation(self) -> list[int]:
         """The whole epoch's order, padded (or cut, with drop_last) to ``total_size``."""
@@ -105,65 +111,22 @@ class EpochShuffleSampler(DistributedSampler):
         return order
 
     def __iter__(self) -> Iterator[int]:
+        start = self._start()
         shard = self.permutation()[self.rank: self.total_size: self.num_replicas]  # (num_samples,)
-        start = self.resolve_start()
-        self.start = 0
-        return iter(shard[start:])
+        self._position = (self.epoch, start)
+        for index in shard[start:]:
+            self._position = (self.epoch, self._position[1] + 1)
+            yield index
 
     def __len__(self) -> int:
         return self.num_samples
 
-
-class ResumableDataLoader(DataLoader):
-    """A DataLoader whose position in the epoch is saved in Lightning checkpoints (via ``state_dict``).
-
-    The position counts the batches handed to the training loop, which is what has been trained on: Lightning
-    fetches a sized loader's batches one at a time (no look-ahead), and DataLoader workers' read-ahead sits below
-    this count. The state is ``{"epoch", "consumed"}`` with ``consumed`` in items of the whole epoch's permutation
-    (all ranks), see ``EpochShuffleSampler``. A loader of its own ``generator`` keeps iteration from drawing on
-    the global torch RNG (which would shift dropout after a resume).
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any):
-        if kwargs.get("generator") is None:
-            kwargs["generator"] = torch.Generator().manual_seed(0)
-        super().__init__(*args, **kwargs)
-        self._epoch: int = 0
-        self._start = 0            # this rank's samples skipped at the start of the current iteration
-        self._batches_yielded = 0  # batches handed out in the current iteration
-
-    def _epoch_sampler(self) -> EpochShuffleSampler | None:
-        sampler = self.batch_sampler.sampler if self.batch_sampler is not None else self.sampler
-        return sampler if isinstance(sampler, EpochShuffleSampler) else None
-
-    def __iter__(self):
-        sampler = self._epoch_sampler()
-        if sampler is not None:
-            self._epoch, self._start = sampler.epoch, sampler.resolve_start()
-        else:
-            self._epoch, self._start = 0, 0
-        self._batches_yielded = 0
-        for batch in super().__iter__():
-            self._batches_yielded += 1
-            yield batch
-
     def state_dict(self) -> dict[str, int]:
-        sampler = self._epoch_sampler()
-        world = sampler.num_replicas if sampler is not None else 1
-        per_rank = self._start + self._batches_yielded * (self.batch_size or 1)
-        if sampler is not None:
-            per_rank = min(per_rank, sampler.num_samples)
-        return {"epoch": self._epoch, "consumed": per_rank * world, "world_size": world,
-                "batch_size": int(self.batch_size or 1)}
+        epoch, handed_out = self._position
+        return {"epoch": epoch, "consumed": handed_out * self.num_replicas, "world_size": self.num_replicas}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        sampler = self._epoch_sampler()
-        if sampler is None:
-            return
-        if "consumed" in state:
-            sampler.resume_at(int(state["epoch"]), int(state["consumed"]))
-        elif "batches_yielded" in state:  # checkpoints from before DDP sharding: one process, epoch not recorded
-            sampler.resume_at(None, int(state["batches_yielded"]) * (self.batch_size or 1))
+        self.resume_at(int(state["epoch"]), int(state["consumed"]))
 
 
 def distinct_texts(texts: Iterable[str], limit: int | None) -> list[str]:
@@ -264,12 +227,16 @@ class TriplesDataModule(pl.LightningDataModule):
         if self.train_dataset is None and stage in (None, "fit"):
             self.train_dataset = TripleDataset(self.load_triples())
 
-    def train_dataloader(self) -> ResumableDataLoader:
+    def train_dataloader(self) -> StatefulDataLoader:
+        """Batches of string triples; the loader's position in the epoch is saved in checkpoints (the sampler's
+        state, see :class:`EpochShuffleSampler`), so a resumed run continues with the next unseen batch."""
         assert self.train_dataset is not None, "call setup('fit') first"
         # Shard by the trainer's ranks (DDP); without a trainer, by the process group if there is one.
         world = (self.trainer.distributed_sampler_kwargs or {}) if self.trainer is not None else {}
         sampler = EpochShuffleSampler(len(self.train_dataset), self.hparams.seed, self.hparams.shuffle,
                                       num_replicas=world.get("num_replicas"), rank=world.get("rank"))
-        return ResumableDataLoader(self.train_dataset, batch_size=self.hparams.batch_size, sampler=sampler,
-                                   collate_fn=collate_triples, num_workers=self.hparams.num_workers,
-                                   persistent_workers=self.hparams.num_workers > 0)
+        # A generator of its own keeps the loader from drawing on the global torch RNG.
+        return StatefulDataLoader(self.train_dataset, batch_size=self.hparams.batch_size, sampler=sampler,
+                                  collate_fn=collate_triples, num_workers=self.hparams.num_workers,
+                                  persistent_workers=self.hparams.num_workers > 0,
+                                  generator=torch.Generator().manual_seed(0))

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import os
 import random
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, TYPE_CHECKING
 
 from hil.data.beir import BeirDataset, iter_text_lines
 from hil.data.errors import DataFormatError
+from hil.provenance import atomic_output
 
 if TYPE_CHECKING:
     from hil.data.bm25 import BM25Index
@@ -66,26 +66,17 @@ def read_triples(path: str | os.PathLike, limit: int | None = None) -> list[Trip
 
 
 def write_triples(path: str | os.PathLike, triples: Iterable[Triple]) -> None:
-    """Write triples as TSV atomically (a temporary file in the same folder, then a rename).
+    """Write triples as TSV through :func:`hil.provenance.atomic_output` (a reader never sees half a file).
 
     A field holding a tab or a line break could not be read back as the same triple, so it is a ``ValueError``.
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle = tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", suffix=".tmp", delete=False,
-                                         encoding="utf-8", newline="\n")
-    try:
-        with handle:
-            for number, triple in enumerate(triples, start=1):
-                fields = (triple.query, triple.positive, triple.negative)
-                for name, value in zip(_COLUMNS, fields):
-                    if any(mark in value for mark in ("\t", "\n", "\r")) or not value.strip():
-                        raise ValueError(f"triple {number}: {name} is empty or holds a tab or line break")
-                handle.write("\t".join(fields) + "\n")
-        os.replace(handle.name, path)
-    except BaseException:
-        Path(handle.name).unlink(missing_ok=True)
-        raise
+    with atomic_output(path) as tmp, open(tmp, "w", encoding="utf-8", newline="\n") as handle:
+        for number, triple in enumerate(triples, start=1):
+            fields = (triple.query, triple.positive, triple.negative)
+            for name, value in zip(_COLUMNS, fields):
+                if any(mark in value for mark in ("\t", "\n", "\r")) or not value.strip():
+                    raise ValueError(f"triple {number}: {name} is empty or holds a tab or line break")
+            handle.write("\t".join(fields) + "\n")
 
 
 def _flat(text: str) -> str:

@@ -14,9 +14,10 @@ from __future__ import annotations
 import heapq
 import math
 import os
-import tempfile
 from pathlib import Path
 from typing import Mapping
+
+from hil.provenance import atomic_output
 
 Run = dict[str, dict[str, float]]
 
@@ -58,29 +59,19 @@ def write_trec_run(path: str | os.PathLike, run: Mapping[str, Mapping[str, float
 
     Queries are written in sorted qid order, documents in trec_eval's order with ranks from 1; ``k`` keeps only
     each query's top ``k``. Scores are written with ``repr(float)`` so reading the file back gives the exact same
-    floats (fixed decimals would create ties that change the ranking). The file is written to a temporary file in
-    the same folder and renamed over ``path``, so a reader never sees half a file.
+    floats (fixed decimals would create ties that change the ranking). Written through
+    :func:`hil.provenance.atomic_output`, so a reader never sees half a file and an error leaves none.
     """
-    path = Path(path)
     tag = _check_token(tag, "run tag")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", suffix=".tmp",
-                                     delete=False, encoding="utf-8") as handle:
-        tmp = handle.name
-        try:
-            for qid in sorted(run, key=str):
-                q = _check_token(qid, "query id")
-                for rank, (docid, score) in enumerate(ranked(run[qid], k), start=1):
-                    d = _check_token(docid, "document id", f" (query {q!r})")
-                    if math.isnan(score):
-                        raise ValueError(f"score of query {q!r}, document {d!r} is NaN")
-                    handle.write(f"{q} Q0 {d} {rank} {score!r} {tag}\n")
-        except BaseException:
-            handle.close()
-            os.unlink(tmp)
-            raise
-    os.replace(tmp, path)
-    return path
+    with atomic_output(path) as tmp, open(tmp, "w", encoding="utf-8") as handle:
+        for qid in sorted(run, key=str):
+            q = _check_token(qid, "query id")
+            for rank, (docid, score) in enumerate(ranked(run[qid], k), start=1):
+                d = _check_token(docid, "document id", f" (query {q!r})")
+                if math.isnan(score):
+                    raise ValueError(f"score of query {q!r}, document {d!r} is NaN")
+                handle.write(f"{q} Q0 {d} {rank} {score!r} {tag}\n")
+    return Path(path)
 
 
 def read_trec_run(path: str | os.PathLike) -> Run:

@@ -9,7 +9,8 @@ Sources:
   tau(psi) (``bootstrap_thresholds``).
 * Paper 001 (HIL), Table 2's dagger: "p-value < 0.01 in comparison to ColBERT" over per-query nDCG@10 — the
   paper does not name the test; ``paired_t_test`` (the usual choice in IR) plus the distribution-free
-  ``paired_permutation_test`` and ``paired_bootstrap_test`` are offered. Table 4's "BM25-Easy" split:
+  ``paired_permutation_test`` and ``paired_bootstrap_test`` are offered, their sign flips and resamples drawn
+  by ``scipy.stats.permutation_test`` and ``scipy.stats.bootstrap``. Table 4's "BM25-Easy" split:
   ``bm25_easy_split``.
 
 Per-query inputs are ``{qid: value}`` dicts (or 1-D arrays already aligned). Paired tests align two dicts on
@@ -183,72 +184,106 @@ def paired_t_test(a: PerQuery, b: PerQuery, on: Align = "same") -> PairedTestRes
                             "paired_t")
 
 
-def _sign_patterns(n: int) -> np.ndarray:
-    """All 2^n sign vectors, (2^n, n) of +-1."""
-    bits = (np.arange(2 ** n)[:, None] >> np.arange(n)[None, :]) & 1
-    return 1.0 - 2.0 * bits
+def _absolute_mean(diff: np.ndarray, axis: int = -1) -> np.ndarray:
+    """|mean(d)| along ``axis``: the two-sided statistic of the sign-flip test (large when either run is better)."""
+    return np.abs(np.mean(diff, axis=axis))
+
+
+def _mean_difference(a: np.ndarray, b: np.ndarray, axis: int = -1) -> np.ndarray:
+    """mean(a - b) along ``axis``: the statistic of the paired bootstrap."""
+    return np.mean(a - b, axis=axis)
+
+
+def _tie_tolerance(diff: np.ndarray) -> float:
+    """Absolute tolerance under which two mean differences count as tied: 1e-12 * max(1, sum |d_i|) / n.
+
+    Means over sign flips or resamples of the same d_i that are equal in exact arithmetic differ by rounding
+    of order eps * sum |d_i| / n, whatever the observed mean (scipy's own relative ``100 eps |observed|`` misses
+    such ties when the observed mean is ~0).
+    """
+    return 1e-12 * max(1.0, float(np.abs(diff).sum())) / diff.size
+
+
+def _upper_tail_p_value(null: np.ndarray, observed: float, tolerance: float, enumerated: bool) -> float:
+    """The share of the null distribution at least ``observed`` (ties within ``tolerance`` count).
+
+    Enumerated (the whole null, the observed pattern among it): ``#{T* >= T} / N``. Random resamples:
+    ``(1 + #{T* >= T}) / (1 + N)``, counting the observed data as one more resample so that p is never 0
+    (Phipson & Smyth 2010, "Permutation p-values should never be zero"; scipy.stats.permutation_test's rule).
+    """
+    count = int(np.sum(null >= observed - tolerance))
+    p_value = count / null.size if enumerated else (1 + count) / (1 + null.size)
+    return min(1.0, p_value)
 
 
 def paired_permutation_test(a: PerQuery, b: PerQuery, n_permutations: int = 10000, seed: int = 0,
                             exact: bool | None = None, on: Align = "same") -> PairedTestResult:
-    """Two-sided paired randomization test: flip the sign of each query's difference ``a - b`` at random.
+    """Two-sided paired randomization test: flip the sign of each query's difference ``d_i = a_i - b_i``.
 
-    Under H0 (a and b exchangeable per query) each sign is +-1 with probability 1/2. The statistic is the
-    mean difference; p is the share of sign patterns whose |mean| is at least the observed |mean| (with a
-    1e-12 relative tolerance, so patterns equal up to rounding count as ties).
+    Under H0 (a and b exchangeable per query) each sign is +-1 with probability 1/2. Method:
+    ``scipy.stats.permutation_test((d,), |mean|, permutation_type="samples", alternative="greater")`` -- for one
+    sample, scipy's "samples" type flips the sign of each observation independently (SciPy reference,
+    ``scipy.stats.permutation_test``). The statistic ``|mean(d)|`` makes the test two-sided: p is the share of
+    sign patterns whose |mean| is at least the observed |mean|, ties counted within :func:`_tie_tolerance`.
+
     ``exact=None`` enumerates all ``2^n`` patterns when ``n <= 16`` (p = count / 2^n, the identity included);
-    otherwise ``n_permutations`` random patterns give ``p = (1 + count) / (1 + n_permutations)`` (the +1
-    counts the observed pattern, so p is never 0).
+    otherwise ``n_permutations`` random patterns from ``numpy.random.default_rng(seed)`` give
+    ``p = (1 + count) / (1 + n_permutations)`` (the +1 counts the observed pattern, so p is never 0). scipy
+    enumerates whenever ``n_permutations >= 2^n``, so ``exact=False`` with so few queries also gives the exact
+    p; ``method`` says which was done. ``statistic`` is the observed (signed) mean difference.
     """
     va, vb = _align(a, b, on)
     diff = va - vb  # (n,)
     n = diff.size
-    observed = float(diff.sum())
-    tol = 1e-12 * max(1.0, float(np.abs(diff).sum()))
+    observed = float(diff.mean())
     if exact is None:
         exact = n <= EXACT_PERMUTATION_MAX_N
-    if exact:
-        if n > 24:
-            raise ValueError(f"exact enumeration of 2^{n} sign patterns is too large; use exact=False")
-        sums = _sign_patterns(n) @ diff  # (2^n,)
-        count = int(np.sum(np.abs(sums) >= abs(observed) - tol))
-        p_value = count / float(2 ** n)
-        method = "paired_permutation_exact"
-    else:
-        if n_permutations < 1:
-            raise ValueError(f"n_permutations must be >= 1, got {n_permutations}")
-        rng = np.random.default_rng(seed)
-        count = 0
-        rows = max(1, _CHUNK_ENTRIES // n)
-        for start in range(0, n_permutations, rows):
-            signs = 1.0 - 2.0 * rng.integers(0, 2, size=(min(rows, n_permutations - start), n))  # (chunk, n)
-            count += int(np.sum(np.abs(signs @ diff) >= abs(observed) - tol))
-        p_value = (1 + count) / (1 + n_permutations)
-        method = "paired_permutation"
-    return PairedTestResult(observed / n, min(1.0, p_value), observed / n, n, method)
+    if exact and n > 24:
+        raise ValueError(f"exact enumeration of 2^{n} sign patterns is too large; use exact=False")
+    if not exact and n_permutations < 1:
+        raise ValueError(f"n_permutations must be >= 1, got {n_permutations}")
+    n_resamples = 2 ** n if exact else n_permutations
+    enumerated = n_resamples >= 2 ** n  # scipy's own rule for an exact test
+    method = "paired_permutation_exact" if enumerated else "paired_permutation"
+    if n == 1:  # scipy needs two observations; +d and -d have the same |mean|, so p = 2/2
+        return PairedTestResult(observed, 1.0, observed, n, method)
+    result = scipy_stats.permutation_test(
+        (diff,), _absolute_mean, permutation_type="samples", vectorized=True, n_resamples=n_resamples,
+        alternative="greater", batch=max(1, _CHUNK_ENTRIES // n), rng=np.random.default_rng(seed))
+    p_value = _upper_tail_p_value(result.null_distribution, abs(observed), _tie_tolerance(diff), enumerated)
+    return PairedTestResult(observed, p_value, observed, n, method)
 
 
 def paired_bootstrap_test(a: PerQuery, b: PerQuery, n_samples: int = 10000, seed: int = 0,
                           confidence: float = 0.95, on: Align = "same") -> PairedTestResult:
     """Two-sided paired bootstrap test of the mean difference (Efron & Tibshirani 1993, 16.4; Sakai 2006).
 
-    Resample the per-query differences ``d`` with replacement ``n_samples`` times; the null distribution is
-    the bootstrap means shifted to mean 0 (``mean(d*) - mean(d)``), and
-    ``p = (1 + #{|mean(d*) - mean(d)| >= |mean(d)|}) / (1 + n_samples)``. Also returns the percentile CI of
-    the mean difference. Identical runs give p = 1.
+    Resampling: ``scipy.stats.bootstrap((a, b), mean(a - b), paired=True, method="percentile")`` draws
+    ``n_samples`` resamples of the queries with replacement (the same query indices for a and b) from
+    ``numpy.random.default_rng(seed)`` and gives the percentile CI of the mean difference (SciPy reference,
+    ``scipy.stats.bootstrap``). The test: the null distribution is the bootstrap means shifted to mean 0
+    (``mean(d*) - mean(d)``), and ``p = (1 + #{|mean(d*) - mean(d)| >= |mean(d)|}) / (1 + n_samples)``, ties
+    within :func:`_tie_tolerance`. Identical runs give p = 1.
     """
     va, vb = _align(a, b, on)
-    diff = va - vb
+    diff = va - vb  # (n,)
     n = diff.size
     if n_samples < 1:
         raise ValueError(f"n_samples must be >= 1, got {n_samples}")
-    means = _bootstrap_means(diff, n_samples, n, np.random.default_rng(seed))  # (B,)
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
     observed = float(diff.mean())
-    tol = 1e-12 * max(1.0, float(np.abs(diff).max()))
-    count = int(np.sum(np.abs(means - observed) >= abs(observed) - tol))
-    p_value = min(1.0, (1 + count) / (1 + n_samples))
-    return PairedTestResult(observed, p_value, observed, n, "paired_bootstrap",
-                            ci=_percentile_interval(means, confidence))
+    if n == 1:  # scipy needs two observations; every resample of one query is that query
+        means, ci = np.full(n_samples, observed), (observed, observed)
+    else:
+        result = scipy_stats.bootstrap(
+            (va, vb), _mean_difference, paired=True, vectorized=True, n_resamples=n_samples,
+            batch=max(1, _CHUNK_ENTRIES // n), confidence_level=confidence, method="percentile",
+            rng=np.random.default_rng(seed))
+        means = result.bootstrap_distribution  # (B,)
+        ci = (float(result.confidence_interval.low), float(result.confidence_interval.high))
+    p_value = _upper_tail_p_value(np.abs(means - observed), abs(observed), _tie_tolerance(diff), enumerated=False)
+    return PairedTestResult(observed, p_value, observed, n, "paired_bootstrap", ci=ci)
 
 
 # ----------------------------------------------------------------------------------------------------------

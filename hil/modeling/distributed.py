@@ -1,13 +1,14 @@
-"""Multi-process (DDP) helpers: who am I, in-batch negatives gathered from every rank, decisions all ranks share.
+"""Multi-process (DDP) helpers: who am I, in-batch negatives gathered from every rank, moments pooled over ranks.
 
 Lightning's ``strategy: ddp`` runs one process per device and each reads its own shard of the data
-(``hil.data.datamodule.EpochShuffleSampler`` shards by rank). Two things in a training step need the other ranks:
+(``hil.data.datamodule.EpochShuffleSampler`` shards by rank). Two things in a training step need the other ranks
+(a third, the joint decision to skip a non-finite step, is Lightning's ``strategy.reduce_boolean_decision``):
 
 - In-batch negatives: a query is scored against the documents of *all* ranks, as if the global batch sat on one
   device. ``gather_padded`` pads every rank's ``(B, L, D)`` tensor to a common ``(Bmax, Lmax)`` before
   ``all_gather`` -- documents are never truncated to another rank's length -- and drops the padding rows after.
-- Decisions that must agree (skip a batch whose loss is not finite): one rank skipping while another steps would
-  leave the other waiting in DDP's gradient all-reduce forever. ``any_rank`` makes the decision collective.
+- ColBERT-HIL's running z-score statistics: ``pooled_moments`` sums the batch moments over ranks, so every rank
+  updates the same running estimates.
 
 Everything here is a no-op with one process (no process group, or a group of size 1).
 """
@@ -31,15 +32,6 @@ def world_size() -> int:
 
 def rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def any_rank(flag: bool, device: torch.device | str = "cpu") -> bool:
-    """True on every rank if ``flag`` is True on at least one rank (a MAX all-reduce of one number)."""
-    if not is_distributed():
-        return bool(flag)
-    value = torch.tensor([1.0 if flag else 0.0], device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item() > 0)
 
 
 class Gathered(NamedTuple):
