@@ -116,7 +116,7 @@ def _base_folder(cfg: dict[str, Any], dataset: Any, encoder: Any, encoding: str 
 def _base_index(cfg: dict[str, Any], dataset: Any, encoder: Any, encoding: str = "fp32") -> tuple[Any, dict]:
     """The fp16 base index of this corpus and encoder under the work folder (built once, then reused), and the
     record of how long its encoding took and how much memory it needed (kept beside it)."""
-    from hil.retrieval.index import open_or_build_index
+    from hil.retrieval.builder import open_or_build_index
 
     folder = _base_folder(cfg, dataset, encoder, encoding)
     record_path = folder.with_name(folder.name + ".build.json")
@@ -138,7 +138,8 @@ def _base_index(cfg: dict[str, Any], dataset: Any, encoder: Any, encoding: str =
 
 def _variant_index(cfg: dict[str, Any], base: Any, name: str) -> tuple[Any, float]:
     """A copy of ``base`` (vectors hard-linked, not copied) with the variant's search structures; build seconds."""
-    from hil.retrieval.index import TokenIndex, rebuild_faiss
+    from hil.retrieval.builder import rebuild_faiss
+    from hil.retrieval.index import TokenIndex
 
     kind, params, _ = INDEX_VARIANTS[name]
     target = base.directory.with_name(base.directory.name + f"--{name}")
@@ -238,7 +239,7 @@ def section_peak(cfg: dict[str, Any]) -> dict[str, Any]:
 def section_encode(cfg: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    from hil.retrieval.index import document_token_lengths, encode_document_tokens, eval_mode
+    from hil.retrieval.encoding import document_token_lengths, encode_document_tokens, eval_mode
     from measure import encoder_flops, linear_parameters, matmul_peak_gflops, peak_rss_mb
 
     dataset = _dataset(cfg)
@@ -357,14 +358,15 @@ def section_train(cfg: dict[str, Any]) -> dict[str, Any]:
     arch, model = cfg["arch"], cfg["train_model"]
     triples = read_triples(resolve_data_file(cfg["triples"]), limit=cfg["train_batch"] * (cfg["train_steps"] + 1))
     torch.manual_seed(cfg["seed"])
+    from hil.modeling.encoder import ColBERTEncoder
+    from hil.modeling.hil import HILEncoder
+    from hil.modeling.losses import HILLoss, PairwiseCE
+    from hil.modeling.module import RetrieverModule
+
     if arch == "colbert":
-        from hil.modeling.colbert import ColBERTModule
-
-        module = ColBERTModule(backbone=model, doc_maxlen=cfg["doc_maxlen"])
-    else:
-        from hil.modeling.hil import HILModule
-
-        module = HILModule(backbone=model, doc_maxlen=cfg["doc_maxlen"], idf_source="none")
+        module = RetrieverModule(ColBERTEncoder(backbone=model, doc_maxlen=cfg["doc_maxlen"]), PairwiseCE())
+    else:  # uniform IDF weights: no table is computed (the cost measured is the training step's)
+        module = RetrieverModule(HILEncoder(backbone=model, doc_maxlen=cfg["doc_maxlen"]), HILLoss())
     module.train()
     optimizer = torch.optim.AdamW(module.parameters(), lr=3e-6)
     batches = [triples[i: i + cfg["train_batch"]] for i in range(0, len(triples), cfg["train_batch"])]
@@ -417,7 +419,8 @@ def _tiled_index(base: Any, factor: int, directory: Path) -> Any:
 
 
 def section_growth(cfg: dict[str, Any]) -> dict[str, Any]:
-    from hil.retrieval.index import TokenIndex, rebuild_faiss
+    from hil.retrieval.builder import rebuild_faiss
+    from hil.retrieval.index import TokenIndex
     from measure import peak_rss_mb, percentiles
 
     factor = cfg["factor"]
@@ -446,7 +449,7 @@ def section_growth(cfg: dict[str, Any]) -> dict[str, Any]:
 
 def section_peer(cfg: dict[str, Any]) -> dict[str, Any]:
     from hil.paths import resolve_model
-    from hil.retrieval.index import encode_document_tokens, eval_mode
+    from hil.retrieval.encoding import encode_document_tokens, eval_mode
 
     dataset = _dataset(cfg)
     texts = dataset.documents()[: cfg["encode_docs"]]
@@ -490,7 +493,7 @@ def section_peer(cfg: dict[str, Any]) -> dict[str, Any]:
 
 def section_memory(cfg: dict[str, Any]) -> dict[str, Any]:
     """Peak RSS of building an index with ``chunk_docs`` documents per chunk (the memory knob of build_index)."""
-    from hil.retrieval.index import build_index
+    from hil.retrieval.builder import build_index
     from measure import current_rss_mb, peak_rss_mb
 
     dataset = _dataset(cfg)

@@ -99,7 +99,7 @@ def test_table_formats_every_section(bench):
 
 
 def test_tiled_index_repeats_documents_with_new_ids(bench, tiny_random_colbert, tmp_path):
-    from hil.retrieval.index import build_index
+    from hil.retrieval.builder import build_index
     from hil.retrieval.search import exact_rank
 
     ids, texts = ["a", "b", "c"], ["gene therapy", "brain tumor, mouse", "vaccine"]

@@ -10,7 +10,7 @@ from hil.modeling.encoder import ColBERTEncoder
 from hil.modeling.ensemble import EnsembleEncoder
 from hil.modeling.hil import HILEncoder
 from hil.modeling.loading import load_encoder, split_ensemble_source
-from hil.retrieval.index import build_index
+from hil.retrieval.builder import build_index
 from hil.retrieval.search import exact_rank, full_rank
 
 QUERIES = ["what causes fever", "effects of caffeine on sleep", "cat"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -14,9 +15,9 @@ from hypothesis import strategies as st
 from hil.data.beir import BeirDataset
 from hil.experiments.paper import _rank, head_overlap, main, relevant_pairs
 from hil.experiments.profiles import DATASETS, PROFILES, VARIANTS
-from hil.experiments.report import delta_inter_iso
+from hil.experiments.records import delta_inter_iso
 from hil.modeling.encoder import ColBERTEncoder
-from hil.retrieval.index import encode_document_tokens, eval_mode
+from hil.retrieval.encoding import encode_document_tokens, eval_mode
 from hil.retrieval.search import score_documents
 
 
@@ -87,12 +88,45 @@ def test_score_documents_by_head_matches_score(tiny_model_dir):
 
 def test_profiles_cover_every_variant_config():
     repo_root = Path(__file__).resolve().parents[1]
-    for config, _ in VARIANTS.values():
-        assert (repo_root / "configs" / f"{config}.yaml").is_file(), config
+    for delta, _ in VARIANTS.values():
+        assert delta is None or (repo_root / "configs" / "variants" / f"{delta}.yaml").is_file(), delta
     for profile in PROFILES.values():
         assert set(profile.slices) <= set(DATASETS)
-        args = profile.train_overrides()
-        assert args[args.index("--trainer.max_steps") + 1] == str(profile.max_steps)
+        assert (repo_root / "configs" / "presets" / profile.preset).is_file()
+    shorter = replace(PROFILES["cpu"], max_steps=3)
+    args = shorter.config_args("hil")
+    assert args[args.index("--trainer.max_steps") + 1] == "3" and shorter.training.max_steps == 3
+    assert "--trainer.max_steps" not in PROFILES["cpu"].config_args("hil")
+
+
+@pytest.mark.parametrize("name", sorted(PROFILES))
+def test_profile_budget_is_what_train_py_resolves(name):
+    """The budget a report states (read from the YAML files) is what the training command resolves."""
+    import contextlib
+    import io
+
+    import yaml
+
+    from hil.cli import train_main
+
+    profile = PROFILES[name]
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer), pytest.raises(SystemExit):
+        train_main(["fit", *profile.config_args("hil"), "--print_config"])
+    config = yaml.safe_load(buffer.getvalue())
+    encoder, budget = config["model"]["encoder"]["init_args"], profile.training
+    assert config["model"]["encoder"]["class_path"] == "hil.modeling.hil.HILEncoder"
+    assert (budget.backbone, budget.query_maxlen, budget.doc_maxlen) == (encoder["backbone"], encoder["query_maxlen"],
+                                                                         encoder["doc_maxlen"])
+    assert (budget.triples, budget.max_triples, budget.batch_size) == (config["data"]["triples"],
+                                                                       config["data"]["max_triples"],
+                                                                       config["data"]["batch_size"])
+    assert budget.lr == config["model"]["optimizer"]["init_args"]["lr"]
+    assert budget.warmup_steps == config["model"]["lr_scheduler"]["init_args"]["warmup_steps"]
+    trainer = config["trainer"]
+    assert (budget.max_steps, budget.precision, budget.accelerator) == (trainer["max_steps"], trainer["precision"],
+                                                                        trainer["accelerator"])
+    assert budget.seed == config["seed_everything"]
 
 
 def test_bad_arguments_are_one_line_errors(tmp_path, capsys):

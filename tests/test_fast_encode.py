@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from hil.retrieval.fast_encode import (SmoothedLinear, activation_ranges, compiled_document_encoder,
-                                       quantized_document_encoder, smooth_backbone)
-from hil.retrieval.index import TokenIndex, build_index, encode_document_tokens, eval_mode, open_or_build_index
+from hil.retrieval.builder import build_index, open_or_build_index
+from hil.retrieval.encoding import encode_document_tokens, eval_mode
+from hil.retrieval.fast_encode import compiled_document_encoder, quantized_document_encoder
+from hil.retrieval.index import TokenIndex
+from hil.retrieval.smoothing import SmoothedLinear, activation_ranges, smooth_backbone
 
 TEXTS = ["the protein binds the receptor in mouse cells", "vaccine dose and trial results, 2020.",
          "brain tumor growth is slowed by the therapy", "insulin signal in the liver",
@@ -67,7 +69,7 @@ def test_index_records_quantized_documents_and_rebuilds_on_change(tiny_random_co
 def test_compiled_encoder_gives_the_eager_vectors_and_leaves_the_original_alone(tiny_random_colbert, tmp_path):
     backbone = tiny_random_colbert.backbone
     compiled = compiled_document_encoder(tiny_random_colbert)
-    assert tiny_random_colbert.backbone is backbone and compiled.backbone is not backbone
+    assert tiny_random_colbert.backbone is backbone and compiled.encoder.backbone is not backbone
     np.testing.assert_allclose(vectors(compiled, TEXTS), vectors(tiny_random_colbert, TEXTS), atol=1e-4)
     ids = [f"d{i}" for i in range(len(TEXTS))]
     index = build_index(tiny_random_colbert, ids, TEXTS, tmp_path / "idx", quantize="compile", progress=False)

@@ -12,8 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from hil.retrieval.index import (IndexMismatchError, TokenIndex, build_index, encode_document_tokens,
-                                 encoder_fingerprint, eval_mode, fingerprint_corpus, open_or_build_index)
+from hil.retrieval.backends.registry import open_backend
+from hil.retrieval.builder import build_index, open_or_build_index
+from hil.retrieval.encoding import encode_document_tokens, eval_mode
+from hil.retrieval.index import IndexMismatchError, TokenIndex, encoder_fingerprint, fingerprint_corpus
 
 from toys import toy_corpus as _toy_corpus  # noqa: E402
 
@@ -197,7 +199,7 @@ def test_ivf_indexes_build_and_search(tiny_random_colbert, corpus, tmp_path, kin
     assert index.n_tokens >= 39 * params["nlist"], "enough training points for the chosen nlist"
     assert (tmp_path / "idx" / "colbert.faiss").is_file()
     loaded = TokenIndex.load(tmp_path / "idx")
-    ann = loaded.faiss_index("colbert")
+    ann = open_backend(loaded).faiss_index("colbert")
     assert ann.ntotal == loaded.n_tokens
     queries = np.ascontiguousarray(loaded.embeddings["colbert"][:5].astype(np.float32))
     sims, hits = ann.search(queries, 3)
@@ -215,7 +217,7 @@ def test_flat_faiss_is_exact_inner_product(tiny_random_colbert, corpus, tmp_path
     vectors = index.embeddings["colbert"].astype(np.float32)
     rng = np.random.default_rng(0)
     queries = rng.standard_normal((4, vectors.shape[1])).astype(np.float32)
-    sims, hits = index.faiss_index("colbert").search(queries, 5)
+    sims, hits = open_backend(index).faiss_index("colbert").search(queries, 5)
     brute = queries @ vectors.T
     np.testing.assert_array_equal(hits, np.argsort(-brute, axis=1, kind="stable")[:, :5])
     np.testing.assert_allclose(sims, np.take_along_axis(brute, hits, axis=1), rtol=1e-5, atol=1e-5)

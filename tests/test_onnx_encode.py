@@ -15,7 +15,9 @@ pytest.importorskip("onnxruntime")
 
 from conftest import random_bert  # noqa: E402
 from hil.retrieval.fast_encode import DOCUMENT_ENCODINGS, document_encoder  # noqa: E402
-from hil.retrieval.index import TokenIndex, build_index, encode_document_tokens, eval_mode  # noqa: E402
+from hil.retrieval.builder import build_index  # noqa: E402
+from hil.retrieval.encoding import encode_document_tokens, eval_mode  # noqa: E402
+from hil.retrieval.index import TokenIndex  # noqa: E402
 from hil.retrieval.onnx_encode import onnx_document_encoder  # noqa: E402
 
 TEXTS = ["the protein binds the receptor in mouse cells", "vaccine dose and trial results, 2020.",
@@ -54,7 +56,7 @@ def test_fused_fp32_graph_gives_the_pytorch_vectors(colbert, onnx_fp32):
     fused = onnx_fp32.document_encoding["fused_operators"]
     # The speed comes from these fusions: without them the graph runs op by op.
     assert fused.get("Attention") == 2 and fused.get("SkipLayerNormalization") == 4, fused
-    assert onnx_fp32.backbone is not colbert.backbone and not hasattr(colbert, "document_encoding")
+    assert onnx_fp32.encoder.backbone is not colbert.backbone and not hasattr(colbert, "document_encoding")
     np.testing.assert_allclose(vectors(onnx_fp32, TEXTS), vectors(colbert, TEXTS), atol=1e-5)
 
 
@@ -97,7 +99,7 @@ def test_smoothing_survives_export_exactly(colbert):
     the only approximation left for int8 to add."""
     import copy
 
-    from hil.retrieval.fast_encode import activation_ranges, smooth_backbone
+    from hil.retrieval.smoothing import activation_ranges, smooth_backbone
     from hil.retrieval.onnx_encode import onnx_backbone
 
     smoothed = copy.deepcopy(colbert)
@@ -145,7 +147,7 @@ def test_bad_modes_and_missing_runtime_are_named(colbert, monkeypatch):
 
 def test_index_is_rebuilt_when_the_encoding_recipe_or_calibration_changes(colbert, tmp_path, monkeypatch):
     from hil.retrieval import fast_encode
-    from hil.retrieval import index as index_module
+    from hil.retrieval import builder as index_module
 
     builds = []
     real_build = index_module.build_index

@@ -13,8 +13,7 @@ from hypothesis import strategies as st
 
 from hil.retrieval.codec import CompressedEmbeddings, ResidualCodec, fit_residual_codec
 from hil.retrieval.plaid import (CentroidPlan, assign_codes, build_ivf, cell_scores, centroid_interaction,
-                                 default_n_centroids, length_blocks, plaid_candidates, probe_cells, top_by_score,
-                                 train_centroids)
+                                 default_n_centroids, plaid_candidates, probe_cells, top_by_score, train_centroids)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -134,17 +133,6 @@ def test_top_by_score_breaks_ties_by_document():
     docs, scores = np.array([5, 1, 3, 2]), np.array([1.0, 2.0, 1.0, 1.0], dtype=np.float32)
     kept, kept_scores = top_by_score(docs, scores, 2)
     assert kept.tolist() == [1, 2] and kept_scores.tolist() == [2.0, 1.0]
-
-
-@settings(max_examples=40, deadline=None)
-@given(st.lists(st.integers(0, 20), min_size=1, max_size=30), st.integers(1, 60))
-def test_length_blocks_cover_and_fit(lengths, budget):
-    sorted_lengths = np.sort(np.array(lengths))
-    blocks = length_blocks(sorted_lengths, budget)
-    assert blocks[0][0] == 0 and blocks[-1][1] == len(lengths)
-    assert all(a[1] == b[0] for a, b in zip(blocks, blocks[1:]))
-    for start, end in blocks:
-        assert end - start == 1 or (end - start) * max(1, int(sorted_lengths[end - 1])) <= budget
 
 
 # -- residual compression ---------------------------------------------------------------------------------------

@@ -9,9 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from hil.retrieval.index import TokenIndex, build_index, eval_mode, open_or_build_index
+from hil.retrieval.backends.centroid import PlaidBackend
+from hil.retrieval.backends.registry import open_backend
+from hil.retrieval.builder import build_index, open_or_build_index, rebuild_faiss
+from hil.retrieval.encoding import eval_mode
+from hil.retrieval.index import TokenIndex
 from hil.retrieval.plaid import centroid_interaction, top_by_score
-from hil.retrieval.search import exact_rank, full_rank, gather_documents
+from hil.retrieval.search import exact_rank, full_rank
+from hil.retrieval.store import gather_documents
 
 from toys import TwoHeadEncoder, make_encoder  # noqa: E402
 from toys import toy_corpus as _toy_corpus  # noqa: E402
@@ -55,7 +60,7 @@ def test_plaid_keeps_the_best_centroid_interaction_documents_and_scores_them_exa
     ndocs = 6
     result = full_rank(encoder, plaid, QUERIES, k=100, nprobe=16, max_candidates=ndocs, stage2_docs=plaid.n_docs,
                        keep_candidate_sources=True, progress=False)
-    plan = plaid.plan("colbert")
+    plan = open_backend(plaid).plan("colbert")
     for qid, text in QUERIES.items():
         with eval_mode(encoder):
             query = encoder.encode_queries([text])
@@ -76,8 +81,7 @@ def test_plaid_files_and_reuse(setup, hf_tokenizer):
     assert not (plaid.directory / "colbert.residuals.npy").exists()
     assert plaid.faiss_settings["params"]["n_centroids"] == 16
     assert plaid.bytes_per_token() == 2 * encoder.dim  # the fp16 vectors are kept
-    with pytest.raises(ValueError, match="plaid"):
-        plaid.faiss_index("colbert")
+    assert isinstance(open_backend(plaid), PlaidBackend)  # centroids, not a FAISS search
     # search-time settings never trigger a rebuild
     again = open_or_build_index(encoder, ids, texts, plaid.directory, faiss_kind="plaid",
                                 faiss_params={**PLAID, "nprobe": 2, "ndocs": 5}, progress=False)
@@ -127,8 +131,6 @@ def test_compressed_only_index_scores_decompressed_vectors(setup):
         assert list(everything.run[qid]) == list(reference.run[qid])
     # another FAISS kind over a compressed-only index keeps the compressed vectors readable
     with pytest.raises(ValueError, match="compressed only"):
-        from hil.retrieval.index import rebuild_faiss
-
         rebuild_faiss(reopened, "plaid", PLAID, progress=False)
 
 
@@ -148,7 +150,7 @@ def test_two_heads_union_of_per_head_candidates(hf_tokenizer, tmp_path):
             query = encoder.encode_queries([text])
         expected = {}
         for head in ("a", "b"):
-            plan = plaid.plan(head)
+            plan = open_backend(plaid).plan(head)
             scores = query.heads[head][0][query.mask[0]].float() @ torch.from_numpy(plan.centroids).T
             present = np.flatnonzero(plaid.doc_lengths > 0)
             top, _ = top_by_score(present, centroid_interaction(plan, scores, present), ndocs)

@@ -13,9 +13,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hil.retrieval.index import build_index, eval_mode
-from hil.retrieval.search import (_length_blocks, exact_rank, full_rank, gather_documents, rerank,
-                                  score_documents, top_k)
+from hil.retrieval.builder import build_index
+from hil.retrieval.encoding import eval_mode
+from hil.retrieval.search import exact_rank, full_rank, rerank, score_documents, top_k
+from hil.retrieval.store import gather_documents
 
 from toys import QUERIES, TwoHeadEncoder, make_encoder, toy_corpus  # noqa: E402
 
@@ -265,18 +266,3 @@ def test_top_k_matches_sorting(values, k):
     expected = sorted(range(len(values)), key=lambda i: (-scores[i], rank[docs[i]]))[:k]
     assert got_docs.tolist() == [int(docs[i]) for i in expected]
     assert got_scores.tolist() == [float(scores[i]) for i in expected]
-
-
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.integers(0, 30), min_size=1, max_size=40), st.integers(1, 100))
-def test_length_blocks_cover_and_fit(lengths, budget):
-    sorted_lengths = np.sort(np.array(lengths))
-    blocks = list(_length_blocks(sorted_lengths, budget))
-    assert blocks[0][0] == 0 and blocks[-1][1] == len(lengths)
-    assert all(a[1] == b[0] for a, b in zip(blocks, blocks[1:]))
-    for start, end in blocks:
-        longest = max(1, int(sorted_lengths[end - 1]))
-        assert end - start == 1 or (end - start) * longest <= budget
-        # and greedy: one more document would not have fit
-        if end < len(lengths):
-            assert (end - start + 1) * max(1, int(sorted_lengths[end])) > budget

@@ -24,7 +24,8 @@ from torch import Tensor
 
 from hil.evaluation.runs import ranked
 from hil.isotropy.metrics import avg_cos, isoscore, masked_tokens, partition_isotropy
-from hil.retrieval.index import eval_mode
+from hil.modeling.scoring import masked_max
+from hil.retrieval.encoding import eval_mode
 
 
 def top_pairs(run: Mapping[str, Mapping[str, float]], depth: int = 1, max_queries: int | None = None,
@@ -68,9 +69,10 @@ def pair_cosines(queries: Tensor, docs: Tensor, query_mask: Tensor, doc_mask: Te
     d = F.normalize(docs.float(), dim=-1)
     sims = torch.einsum("bqd,bld->bql", q, d)                       # (B, Lq, Ld)
     valid = query_mask.bool()[:, :, None] & doc_mask.bool()[:, None, :]
-    best = sims.masked_fill(~valid, float("-inf")).amax(dim=-1)     # (B, Lq)
+    values = sims[valid]  # a copy: taken before masked_max overwrites ``sims``
+    best = masked_max(sims, doc_mask.bool()[:, None, :])            # (B, Lq)
     keep = query_mask.bool() & doc_mask.bool().any(dim=1, keepdim=True)
-    return sims[valid], best[keep]
+    return values, best[keep]
 
 
 def token_cosines(encoder: Any, query_texts: Sequence[str], doc_texts: Sequence[str], *,

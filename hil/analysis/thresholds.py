@@ -18,8 +18,9 @@ from typing import Any, Mapping
 import numpy as np
 
 from hil.evaluation.runs import ranked
-from hil.retrieval.index import TokenStore, eval_mode
+from hil.retrieval.encoding import eval_mode
 from hil.retrieval.search import score_documents
+from hil.retrieval.store import TokenStore
 
 
 def similarity_sets(encoder: Any, store: TokenStore, queries: Mapping[str, str],

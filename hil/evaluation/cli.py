@@ -85,6 +85,7 @@ def main(argv: list[str]) -> int:
     from hil.data.beir import load_beir
     from hil.evaluation.pipeline import (evaluate_bm25, evaluate_retriever, evaluate_transformed,
                                          evaluation_statistics, format_statistics, format_table, write_results)
+    from hil.modeling.hil import HILEncoder
     from hil.modeling.loading import load_encoder
 
     dataset = load_beir(args.dataset, split=args.split, data_dir=args.data_dir)
@@ -101,7 +102,7 @@ def main(argv: list[str]) -> int:
     if args.mode != "bm25":
         encoder = load_encoder(args.model, **overrides)
         if args.idf == "corpus":
-            if not hasattr(encoder, "set_idf_from_texts"):
+            if not isinstance(encoder, HILEncoder):
                 raise SystemExit(f"evaluate.py: --idf corpus needs a model with IDF weights (ColBERT-HIL); "
                                  f"{args.model} is {encoder.architecture}")
             encoder.set_idf_from_texts(dataset.documents(), source=f"{dataset.name} corpus ({dataset.split})")

@@ -22,7 +22,8 @@ from hil.evaluation.metrics import DEFAULT_METRICS, evaluate_run
 from hil.evaluation.runs import write_trec_run
 from hil.modeling.encoder import MultiVectorEncoder
 from hil.provenance import provenance, write_json_atomic
-from hil.retrieval.index import encoder_fingerprint, open_or_build_index
+from hil.retrieval.builder import open_or_build_index
+from hil.retrieval.index import encoder_fingerprint
 from hil.retrieval.search import full_rank, rerank
 
 MODES = ("full", "rerank", "bm25")

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import resource
 import shutil
@@ -44,20 +43,19 @@ import numpy as np
 import torch
 
 from hil.analysis.overlap import overlap_shares
-from hil.data.beir import BeirDataset, load_beir, load_dl19_pool
+from hil.data.beir import BeirDataset
 from hil.evaluation.pipeline import evaluate_bm25, score_run
 from hil.evaluation.runs import write_trec_run
-from hil.experiments.profiles import CORPUS_IDF, DATASETS, ENSEMBLES, PROFILES, VARIANTS, Profile
+from hil.experiments.profiles import CORPUS_IDF, DATASETS, ENSEMBLES, PROFILES, REPO_CONFIGS, VARIANTS, Profile
+from hil.experiments.records import load_dataset, load_results, summarize
+from hil.experiments.report import write_report
 from hil.isotropy.metrics import inter_iso
 from hil.modeling.encoder import CONFIG_NAME
 from hil.modeling.loading import load_encoder
-from hil.paths import resolve_data_file
-from hil.provenance import git_commit, provenance, write_json_atomic
-from hil.retrieval.index import encode_document_tokens, eval_mode
-from hil.retrieval.search import _concat_batches, gather_documents, score_documents, top_k
-
-REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
-
+from hil.provenance import provenance, write_json_atomic
+from hil.retrieval.encoding import encode_document_tokens, eval_mode
+from hil.retrieval.search import concat_batches as _concat_batches, score_documents, top_k
+from hil.retrieval.store import gather_documents
 
 class ExperimentError(RuntimeError):
     """A stage failed; the message names the log or file to look at."""
@@ -68,18 +66,6 @@ def log(message: str) -> None:
 
 
 # -- datasets ------------------------------------------------------------------------------------------------
-
-def load_dataset(key: str, profile: Profile) -> BeirDataset:
-    _, where = DATASETS[key]
-    if key == "dl19":
-        dataset = load_dl19_pool(resolve_data_file(where))
-    else:
-        dataset = load_beir(where)
-    if key in profile.slices:
-        n_queries, n_docs = profile.slices[key]
-        dataset = dataset.subset(n_queries=n_queries, n_docs=n_docs, seed=profile.seed)
-    return dataset
-
 
 def relevant_pairs(dataset: BeirDataset, limit: int, seed: int) -> list[tuple[str, str]]:
     """(query id, its most relevant document id) for up to ``limit`` judged queries, a seeded sample."""
@@ -97,9 +83,8 @@ def relevant_pairs(dataset: BeirDataset, limit: int, seed: int) -> list[tuple[st
 
 # -- training ------------------------------------------------------------------------------------------------
 
-def train_variant(name: str, profile: Profile, out: Path, configs: Path, force: bool = False) -> Path:
+def train_variant(name: str, profile: Profile, out: Path, force: bool = False) -> Path:
     """Train ``name`` under ``profile`` (skipped when its export exists). -> the export folder."""
-    config_file, _ = VARIANTS[name]
     workdir = out / "train" / name
     export = workdir / "export"
     if (export / CONFIG_NAME).is_file() and not force:
@@ -110,9 +95,9 @@ def train_variant(name: str, profile: Profile, out: Path, configs: Path, force: 
     workdir.mkdir(parents=True)
     partial = workdir / "export.partial"
     command = [sys.executable, "-c", "from hil.cli import train_main; train_main()", "fit",
-               "--config", str(configs / f"{config_file}.yaml"), *profile.train_overrides(),
-               "--trainer.default_root_dir", str(workdir), "--export_dir", str(partial)]
-    log(f"train {name}: {profile.max_steps} steps x {profile.batch_size} triples (log: {workdir / 'train.log'})")
+               *profile.config_args(name), "--trainer.default_root_dir", str(workdir), "--export_dir", str(partial)]
+    budget = profile.training
+    log(f"train {name}: {budget.max_steps} steps x {budget.batch_size} triples (log: {workdir / 'train.log'})")
     started = time.perf_counter()
     with open(workdir / "train.log", "w") as stream:
         completed = subprocess.run(command, stdout=stream, stderr=subprocess.STDOUT,
@@ -124,7 +109,7 @@ def train_variant(name: str, profile: Profile, out: Path, configs: Path, force: 
                               + " | ".join(tail))
     partial.rename(export)
     write_json_atomic(workdir / "train.json", {
-        "variant": name, "config": f"configs/{config_file}.yaml", "command": command[3:], "seconds": seconds,
+        "variant": name, "config": VARIANTS[name][0] or "colbert", "command": command[3:], "seconds": seconds,
         "peak_rss_mb_children": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024})
     log(f"train {name}: {seconds:.0f} s")
     return export
@@ -299,11 +284,9 @@ def _done(path: Path, force: bool) -> bool:
     return path.is_file() and not force
 
 
-def run_profile(profile: Profile, out: Path, *, configs: Path = REPO_CONFIGS, variants: list[str] | None = None,
+def run_profile(profile: Profile, out: Path, *, variants: list[str] | None = None,
                 datasets: list[str] | None = None, force: bool = False, command: str = "") -> Path:
     """Every stage for ``profile`` into ``out``; returns the report path."""
-    from hil.experiments.report import write_report
-
     variants = variants or list(VARIANTS)
     datasets = datasets or list(DATASETS)
     unknown = sorted(set(variants) - set(VARIANTS)) + sorted(set(datasets) - set(DATASETS))
@@ -313,7 +296,7 @@ def run_profile(profile: Profile, out: Path, *, configs: Path = REPO_CONFIGS, va
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     write_json_atomic(out / "profile.json", provenance(profile.budget(), command=command))
-    exports = {name: train_variant(name, profile, out, configs, force) for name in variants}
+    exports = {name: train_variant(name, profile, out, force) for name in variants}
     ensembles = {name: spec for name, spec in ENSEMBLES.items() if spec[0] in exports and spec[1] in exports}
     for key in datasets:
         dataset = load_dataset(key, profile)
@@ -351,8 +334,18 @@ def run_profile(profile: Profile, out: Path, *, configs: Path = REPO_CONFIGS, va
             if not _done(folder / f"{name}.json", force):
                 record = evaluate_ensemble(name, (iso, aniso), key, dataset, profile, out, candidates)
                 log(f"evaluate {name} on {key}: nDCG@10 {record['metrics']['ndcg@10']:.4f}")
-    report = write_report(out, profile, command=command, elapsed_s=time.perf_counter() - started)
+    report = write_outputs(out, profile, command=command, elapsed_s=time.perf_counter() - started)
     log(f"report: {report}")
+    return report
+
+
+def write_outputs(out: Path, profile: Profile, *, command: str = "", elapsed_s: float | None = None) -> Path:
+    """``summary.json`` (every number, :func:`hil.experiments.records.summarize`) and ``report.md`` (rendered from
+    it, with the figures) from the files the run left. -> the report path."""
+    results = load_results(out)
+    summary = summarize(out, results, profile, command=command, elapsed_s=elapsed_s)
+    report = write_report(out, profile, summary, results)
+    write_json_atomic(out / "summary.json", summary)
     return report
 
 
@@ -364,7 +357,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--variants", default=None, help=f"comma-separated subset of {','.join(VARIANTS)}")
     parser.add_argument("--datasets", default=None, help=f"comma-separated subset of {','.join(DATASETS)}")
     parser.add_argument("--max-steps", type=int, default=None, help="override the profile's training steps")
-    parser.add_argument("--configs", default=str(REPO_CONFIGS), help="folder of the variant config files")
+    parser.add_argument("--configs", default=str(REPO_CONFIGS),
+                        help="config folder (colbert.yaml, variants/, presets/)")
     parser.add_argument("--force", action="store_true", help="redo finished stages instead of skipping them")
     parser.add_argument("--report-only", action="store_true", help="only rewrite the report from finished stages")
     parser.add_argument("--publish", default=None, metavar="DIR",
@@ -391,8 +385,6 @@ def publish(out: Path, target: Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     from dataclasses import replace
 
-    from hil.experiments.report import write_report
-
     args = build_parser().parse_args(argv)
     profile = PROFILES[args.profile]
     if args.max_steps is not None:
@@ -400,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
             print("error: --max-steps must be at least 1", file=sys.stderr)
             return 2
         profile = replace(profile, max_steps=args.max_steps)
+    profile = replace(profile, configs=Path(args.configs))
     out = Path(args.out or Path("results") / profile.name)
     command = "python -m hil.experiments.paper " + " ".join(argv if argv is not None else sys.argv[1:])
     try:
@@ -407,10 +400,10 @@ def main(argv: list[str] | None = None) -> int:
             recorded = out / "profile.json"  # the command that ran the experiment, not this rewrite
             if recorded.is_file():
                 command = json.loads(recorded.read_text()).get("command") or command
-            print(write_report(out, profile, command=command))
+            print(write_outputs(out, profile, command=command))
         else:
             split: Callable[[str | None], list[str] | None] = lambda s: [x for x in s.split(",") if x] if s else None  # noqa: E731
-            run_profile(profile, out, configs=Path(args.configs), variants=split(args.variants),
+            run_profile(profile, out, variants=split(args.variants),
                         datasets=split(args.datasets), force=args.force, command=command)
         if args.publish:
             log(f"published {publish(out, Path(args.publish))}")
@@ -418,20 +411,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 1
     return 0
-
-
-def machine() -> dict[str, Any]:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "gpu": gpu,
-            "platform": platform.platform(), "python": platform.python_version(), "commit": git_commit()}
 
 
 if __name__ == "__main__":

@@ -140,10 +140,6 @@ class CompressedEmbeddings:
     def dtype(self) -> np.dtype:
         return np.dtype(np.float32)
 
-    @property
-    def nbytes_stored(self) -> int:
-        return int(self.codes.dtype.itemsize * len(self.codes) + self.packed.nbytes)
-
     def __len__(self) -> int:
         return len(self.codes)
 

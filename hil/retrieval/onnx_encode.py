@@ -13,7 +13,7 @@ Modes (``build_index(..., quantize=...)``):
   ``per_channel=True``); the embeddings, LayerNorms, softmax and the ColBERT/HIL heads stay fp32 (the heads run
   in PyTorch on the runtime's hidden states). Two measured choices keep it close to fp32:
   1. before export, the feed-forward Linear layers are SmoothQuant-balanced
-     (:func:`hil.retrieval.fast_encode.smooth_backbone`, ``alpha = 0.8``, ranges from the calibration documents):
+     (:func:`hil.retrieval.smoothing.smooth_backbone`, ``alpha = 0.8``, ranges from the calibration documents):
      their inputs (LayerNorm and GELU outputs) carry BERT's outlier channels, which one per-tensor activation
      scale serves badly. The attention block's Linear layers are left alone: a smoothing ``Mul`` there stops ONNX
      Runtime from fusing the attention, and smoothing them bought nothing measurable;
@@ -48,6 +48,11 @@ from typing import Any, Sequence
 
 import torch
 from torch import Tensor, nn
+from transformers import PretrainedConfig
+
+from hil.modeling.encoder import MultiVectorEncoder
+from hil.retrieval.encoding import DocumentEncoderView
+from hil.retrieval.smoothing import activation_ranges, smooth_backbone
 
 ONNX_MODES = ("onnx", "onnx-int8")
 OPSET = 17
@@ -93,7 +98,7 @@ def export_backbone(backbone: nn.Module, path: Path, sample_length: int = 16) ->
                                         "last_hidden_state": dynamic})
 
 
-def fuse(path: Path, out: Path, config: Any) -> dict[str, int]:
+def fuse(path: Path, out: Path, config: PretrainedConfig) -> dict[str, int]:
     """ONNX Runtime's transformer fusions (Attention, SkipLayerNorm, BiasGelu, ...) -> counts of fused operators."""
     model_type = _FUSION_MODEL_TYPES.get(getattr(config, "model_type", ""))
     if model_type is None:
@@ -199,8 +204,8 @@ def onnx_backbone(backbone: nn.Module, mode: str = "onnx-int8", threads: int | N
     return OnnxBackbone(session, backbone, description)
 
 
-def onnx_document_encoder(encoder: Any, mode: str = "onnx-int8", *, calibration_texts: Sequence[str] = (),
-                          alpha: float = SMOOTHING_ALPHA) -> Any:
+def onnx_document_encoder(encoder: MultiVectorEncoder, mode: str = "onnx-int8", *,
+                          calibration_texts: Sequence[str] = (), alpha: float = SMOOTHING_ALPHA) -> DocumentEncoderView:
     """A view of ``encoder`` whose backbone runs in ONNX Runtime (``mode``: ``onnx`` or ``onnx-int8``).
 
     ``onnx-int8`` needs ``calibration_texts`` (a few documents of the corpus, e.g. 32) for the smoothing ranges.
@@ -214,8 +219,6 @@ def onnx_document_encoder(encoder: Any, mode: str = "onnx-int8", *, calibration_
     if mode == "onnx-int8":
         if not calibration_texts:
             raise ValueError("quantize='onnx-int8' needs calibration texts (a few documents of the corpus)")
-        from hil.retrieval.fast_encode import activation_ranges, smooth_backbone
-
         n_layers = int(getattr(encoder.backbone.config, "num_hidden_layers", 0) or 0)
         keep_fp32 = [name for layer, name in sorted(feed_forward_outputs(encoder.backbone).items())
                      if layer < n_layers // 2]
@@ -228,9 +231,9 @@ def onnx_document_encoder(encoder: Any, mode: str = "onnx-int8", *, calibration_
                     "calibration_docs": len(calibration_texts), "fp32_modules": keep_fp32}
     view = copy.copy(encoder)
     view._modules = dict(encoder._modules)  # copy.copy shares the module dict; give the view its own
-    view.backbone = onnx_backbone(encoder.backbone, mode, source=source, keep_fp32=keep_fp32)
-    view.document_encoding = {**view.backbone.description, **settings}
-    return view
+    backbone = onnx_backbone(encoder.backbone, mode, source=source, keep_fp32=keep_fp32)
+    view.backbone = backbone
+    return DocumentEncoderView(view, {**backbone.description, **settings})
 
 
 __all__ = ["ONNX_MODES", "OnnxBackbone", "onnx_backbone", "onnx_document_encoder", "export_backbone"]

@@ -35,6 +35,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from hil.modeling.scoring import masked_max
+from hil.retrieval.store import length_blocks, padded_rows
+
 # Rows of the (n_tokens, D) table handled at once when assigning codes: bounds the fp32 copy (16 MiB at D=128).
 _ASSIGN_BLOCK = 1 << 15
 
@@ -173,33 +176,6 @@ def cell_scores(plan: CentroidPlan, centroid_scores: torch.Tensor, cells: torch.
     return docs.astype(np.int64), bound.numpy()
 
 
-def padded_rows(doc_offsets: np.ndarray, docs: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token rows of ``docs`` padded to the longest: (rows (N, Lmax) int64, mask (N, Lmax) bool).
-
-    Padding positions repeat the document's first row (or row 0), so they can be read and masked afterwards.
-    """
-    starts = doc_offsets[docs]
-    lengths = doc_offsets[docs + 1] - starts
-    width = max(int(lengths.max(initial=0)), 1)
-    positions = np.arange(width)
-    mask = positions[None, :] < lengths[:, None]
-    rows = np.where(mask, starts[:, None] + positions[None, :], np.minimum(starts, max(int(doc_offsets[-1]) - 1, 0))[:, None])
-    return torch.from_numpy(rows), torch.from_numpy(mask)
-
-
-def length_blocks(sorted_lengths: np.ndarray, block_tokens: int) -> list[tuple[int, int]]:
-    """Consecutive ``[start, end)`` blocks of ascending lengths whose padded size ``count * longest`` fits
-    ``block_tokens`` (a block holds at least one document)."""
-    blocks, start, n = [], 0, len(sorted_lengths)
-    while start < n:
-        window = np.maximum(sorted_lengths[start: start + block_tokens], 1)
-        padded = np.arange(1, len(window) + 1) * window  # nondecreasing: count and longest both grow
-        end = start + max(1, int(np.searchsorted(padded, block_tokens, side="right")))
-        blocks.append((start, end))
-        start = end
-    return blocks
-
-
 def centroid_interaction(plan: CentroidPlan, centroid_scores: torch.Tensor, docs: np.ndarray, *,
                          block_elements: int = 1 << 22) -> np.ndarray:
     """Stage 3: ``sum_i max_j q_i . C_{c(j)}`` over every stored token j of each document (PLAID Eq. 3).
@@ -218,12 +194,9 @@ def centroid_interaction(plan: CentroidPlan, centroid_scores: torch.Tensor, docs
     order = np.argsort(lengths, kind="stable")
     for start, end in length_blocks(lengths[order], max(1, block_elements // n_q)):
         block = order[start:end]
-        rows, mask = padded_rows(plan.doc_offsets, docs[block])
-        sims = table[codes[rows]]  # (Nb, Lmax, Lq)
-        sims.masked_fill_(~mask[:, :, None], -torch.inf)
-        best = sims.amax(dim=1)  # (Nb, Lq)
-        best = torch.where(torch.isinf(best), torch.zeros_like(best), best)
-        out[block] = best.sum(dim=1).numpy()
+        rows, mask = padded_rows(plan.doc_offsets, docs[block])  # (Nb, Lmax) each
+        sims = table[codes[rows]].transpose(1, 2)  # (Nb, Lq, Lmax): the centroid score of every token pair
+        out[block] = masked_max(sims, mask[:, None, :]).sum(dim=1).numpy()  # Eq. 3, (Nb, Lq) summed over Lq
     return out
 
 

@@ -49,14 +49,18 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from hil.isotropy.postprocess import PostTransform, TransformPipeline, fit_transform_from_config, load_transform
+from hil.data.tokenization import ColBERTTokenizer, TokenizedBatch
+from hil.isotropy.post_transform import PostTransform
+from hil.isotropy.postprocess import TransformPipeline, fit_transform_from_config, load_transform
 from hil.modeling.contracts import EncodedBatch, Encoder
 from hil.provenance import provenance, write_json_atomic
+from hil.retrieval.builder import rebuild_faiss
+from hil.retrieval.encoding import encode_document_tokens, eval_mode
 from hil.retrieval.index import (DOC_IDS_JSON, DOC_OFFSETS_NPY, INDEX_FORMAT, INDEX_FORMAT_VERSION, INDEX_JSON,
-                                 TOKEN_IDS_NPY, TokenIndex, TokenStore, encode_document_tokens, encoder_fingerprint,
-                                 eval_mode, rebuild_faiss, save_npy_atomic)
+                                 TOKEN_IDS_NPY, TokenIndex, encoder_fingerprint, save_npy_atomic)
+from hil.retrieval.store import TokenStore
 
 logger = logging.getLogger(__name__)
 
@@ -118,9 +122,9 @@ def unnormalized_transform(transform: PostTransform, x: Tensor) -> Tensor:
 class TransformedEncoder(Encoder):
     """Any encoder with fitted post-hoc transforms applied to its heads' token vectors (see module docstring).
 
-    Presents the encoder surface (``head_names``, ``architecture``, ``tokenizer``, ``device``, ``dim``,
-    ``encode_queries``, ``encode_documents``, ``score``, ``score_pairs``, ``settings``); any other attribute is
-    read from the wrapped encoder (e.g. HIL's ``idf``). Heads without a transform pass through unchanged.
+    Implements every member of the :class:`~hil.modeling.contracts.Encoder` contract itself, by transforming or
+    delegating to the wrapped encoder; nothing else is forwarded: what is model-specific (HIL's ``idf``, a
+    ``backbone``) is read from ``inner``. Heads without a transform pass through unchanged.
 
     Args:
         encoder: the base encoder (kept as the submodule ``inner``; its weights enter the fingerprint).
@@ -130,9 +134,12 @@ class TransformedEncoder(Encoder):
         fit_info: anything else worth recording (sample sizes, source index).
     """
 
-    def __init__(self, encoder: nn.Module, transforms: Mapping[str, PostTransform], *, spec: str | None = None,
+    def __init__(self, encoder: Encoder, transforms: Mapping[str, PostTransform], *, spec: str | None = None,
                  mode: str = "token", fit_info: Mapping[str, Any] | None = None):
         super().__init__()
+        if not isinstance(encoder, Encoder):
+            raise TypeError(f"TransformedEncoder: expected an Encoder (hil.modeling.contracts), got "
+                            f"{type(encoder).__name__}")
         if mode not in TRANSFORM_MODES:
             raise ValueError(f"TransformedEncoder: mode must be one of {TRANSFORM_MODES}, got {mode!r}")
         unknown = sorted(set(transforms) - set(encoder.head_names))
@@ -173,7 +180,7 @@ class TransformedEncoder(Encoder):
         return tuple(self.inner.head_names)
 
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> ColBERTTokenizer:
         return self.inner.tokenizer
 
     @property
@@ -185,30 +192,24 @@ class TransformedEncoder(Encoder):
         """A short name for tables: ``<architecture>+<spec>``."""
         return f"{self.architecture}+{self.spec}"
 
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            inner = self.__dict__.get("_modules", {}).get("inner")
-            if inner is None or name.startswith("__"):
-                raise
-            return getattr(inner, name)
-
     def transform_batch(self, batch: EncodedBatch) -> EncodedBatch:
-        """The transformed heads of an encoded batch; positions outside ``batch.mask`` stay 0."""
+        """An encoded batch of the wrapped encoder with each head's transform applied (heads without one unchanged).
+
+        The mask and token ids are kept; positions outside ``batch.mask`` stay 0, as the encoder leaves them.
+        """
         heads = {}
         for head, vectors in batch.heads.items():
             transform = self.transforms.get(head)
             heads[head] = vectors if transform is None else transform.transform(vectors, mask=batch.mask.bool())
         return EncodedBatch(heads, batch.mask, batch.input_ids)
 
-    def encode(self, batch: Any, is_query: bool) -> EncodedBatch:
+    def encode(self, batch: TokenizedBatch, is_query: bool) -> EncodedBatch:
         return self.transform_batch(self.inner.encode(batch, is_query))
 
-    def encode_queries(self, texts: list[str]) -> EncodedBatch:
+    def encode_queries(self, texts: Sequence[str]) -> EncodedBatch:
         return self.transform_batch(self.inner.encode_queries(texts))
 
-    def encode_documents(self, texts: list[str]) -> EncodedBatch:
+    def encode_documents(self, texts: Sequence[str]) -> EncodedBatch:
         return self.transform_batch(self.inner.encode_documents(texts))
 
     def score(self, queries: EncodedBatch, docs: EncodedBatch) -> Tensor:
@@ -238,7 +239,7 @@ class TransformedEncoder(Encoder):
         return save_transforms(self.transforms, directory, spec=self.spec, mode=self.mode, fit_info=self.fit_info)
 
     @classmethod
-    def from_directory(cls, encoder: nn.Module, directory: str | os.PathLike) -> "TransformedEncoder":
+    def from_directory(cls, encoder: Encoder, directory: str | os.PathLike) -> "TransformedEncoder":
         """Wrap ``encoder`` with the transforms saved in ``directory`` (by :meth:`save_transforms`)."""
         transforms, meta = load_transforms(directory)
         return cls(encoder, transforms, spec=meta.get("spec"), mode=meta.get("mode", "token"),
@@ -314,7 +315,7 @@ def sample_sequence_vectors(store: TokenStore, head: str, max_docs: int = DEFAUL
     return torch.from_numpy(pooled)
 
 
-def encode_sample(encoder: Any, texts: Sequence[str], max_docs: int = 2000, seed: int = 0,
+def encode_sample(encoder: Encoder, texts: Sequence[str], max_docs: int = 2000, seed: int = 0,
                   batch_size: int = 32) -> TokenStore:
     """Encode up to ``max_docs`` sampled documents into an in-memory token store (fitting without an index)."""
     n = len(texts)
@@ -352,7 +353,7 @@ def fit_head_transforms(store: TokenStore, spec: str, *, mode: str = "token", he
     return fitted
 
 
-def fit_transformed_encoder(encoder: Any, spec: str, *, store: TokenStore | None = None,
+def fit_transformed_encoder(encoder: Encoder, spec: str, *, store: TokenStore | None = None,
                             texts: Sequence[str] | None = None, mode: str = "token",
                             max_tokens: int = DEFAULT_MAX_TOKENS, max_docs: int = DEFAULT_MAX_DOCS,
                             encode_docs: int = 2000, seed: int = 0) -> TransformedEncoder:

@@ -1,0 +1,170 @@
+"""The ``plaid`` back-end: PLAID / ColBERTv2 centroid pruning instead of a token ANN search (no FAISS at query time).
+
+The math (k-means centroids, inverted file, probed-cells bound, centroid interaction) is in
+:mod:`hil.retrieval.plaid`; the optional ColBERTv2 residual compression in :mod:`hil.retrieval.codec`. This
+module owns the settings, the files (``<head>.centroids/codes/ivf_offsets/ivf_docs[/residuals].npy``) and the
+per-query candidate search: each head keeps its ``ndocs`` best documents by centroid interaction, and the union
+over heads goes to exact scoring.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from hil.modeling.contracts import EncodedBatch
+from hil.provenance import atomic_output
+from hil.retrieval.backends.base import CandidateSettings, Candidates, SearchBackend
+from hil.retrieval.codec import NBITS, CompressedEmbeddings, ResidualCodec, fit_residual_codec
+from hil.retrieval.index import DOC_OFFSETS_NPY, TokenIndex, embeddings_path, plaid_paths, save_npy_atomic
+from hil.retrieval.plaid import (CentroidPlan, assign_codes, build_ivf, code_dtype, default_n_centroids,
+                                 plaid_candidates, sample_rows, train_centroids)
+from hil.retrieval.store import TokenTable
+
+# Tokens the residual buckets are fitted on (a seeded sample).
+_CODEC_SAMPLE = 1 << 16
+
+
+def _check_plaid_params(resolved: dict[str, Any], n_tokens: int, dim: int) -> None:
+    n_centroids, bits = resolved["n_centroids"], resolved["residual_bits"]
+    if not 1 <= n_centroids <= max(1, n_tokens):
+        raise ValueError(f"plaid: n_centroids={n_centroids} must lie in 1..n_tokens={n_tokens}")
+    if resolved["train_size"] < n_centroids:
+        raise ValueError(f"plaid: n_centroids={n_centroids} needs at least as many training tokens "
+                         f"(train_size={resolved['train_size']})")
+    for name in ("nprobe", "ndocs", "stage2_docs", "niter"):
+        if resolved[name] < 1:
+            raise ValueError(f"plaid: {name} must be >= 1, got {resolved[name]}")
+    if bits and (bits not in NBITS or dim * bits % 8):
+        raise ValueError(f"plaid: residual_bits must be 0 or one of {NBITS} (with D * bits a multiple of 8), "
+                         f"got {bits}")
+    if not resolved["keep_embeddings"] and not bits:
+        raise ValueError("plaid: keep_embeddings=False needs residual_bits (the vectors must be stored somehow)")
+
+
+class PlaidBackend(SearchBackend):
+    """Centroid pruning (see the module docstring); search-time defaults come from the index's settings."""
+
+    kind = "plaid"
+    accepted_params = frozenset({"n_centroids", "train_size", "niter", "seed", "nprobe", "ndocs", "stage2_docs",
+                                 "residual_bits", "keep_embeddings"})
+    search_time_params = frozenset({"nprobe", "ndocs", "stage2_docs"})
+
+    def __init__(self, index: TokenIndex, settings: CandidateSettings = CandidateSettings()):
+        super().__init__(index, settings)
+        stored = index.faiss_settings["params"]
+        # The caller's settings where given, else the index's: nprobe centroids per query token, stage2_docs
+        # documents kept by the probed-cells bound, ndocs (max_candidates) kept per head by centroid interaction.
+        self.plaid = {"nprobe": int(settings.nprobe or stored["nprobe"]),
+                      "ndocs": int(settings.max_candidates or stored["ndocs"]),
+                      "stage2_docs": int(settings.stage2_docs or stored["stage2_docs"])}
+
+    # -- building -----------------------------------------------------------------------------------------------
+    @classmethod
+    def resolve_params(cls, params: dict[str, Any] | None, n_tokens: int, dim: int) -> dict[str, Any]:
+        """Stored structure: ``n_centroids`` (default ColBERTv2's ``2**floor(log2(16 sqrt(n_tokens)))``), k-means on
+        ``train_size`` sampled tokens (default ``min(n_tokens, 32 n_centroids)``) for ``niter`` iterations (default
+        4, ColBERTv2's), ``seed``; ``residual_bits`` (0 = none; 1, 2, 4 or 8) adds ColBERTv2 residual codes, and
+        ``keep_embeddings=False`` (only with residuals) then drops the fp16 vectors: search scores decompressed
+        vectors. Search-time defaults: ``nprobe`` 8, ``stage2_docs`` 1024, ``ndocs`` 256 (per head)."""
+        params = cls.check_params(params)
+        n_centroids = int(params.get("n_centroids") or default_n_centroids(n_tokens))
+        resolved: dict[str, Any] = {
+            "n_centroids": n_centroids,
+            "train_size": min(n_tokens, int(params.get("train_size") or 32 * n_centroids)),
+            "niter": int(params.get("niter", 4)), "seed": int(params.get("seed", 0)),
+            "nprobe": int(params.get("nprobe", 8)), "ndocs": int(params.get("ndocs", 256)),
+            "stage2_docs": int(params.get("stage2_docs", 1024)),
+            "residual_bits": int(params.get("residual_bits") or 0),
+            "keep_embeddings": bool(params.get("keep_embeddings", True))}
+        _check_plaid_params(resolved, n_tokens, dim)
+        return resolved
+
+    @classmethod
+    def factory(cls, params: dict[str, Any]) -> str:
+        return f"PLAID{params['n_centroids']}" + (f",R{params['residual_bits']}" if params["residual_bits"] else "")
+
+    @classmethod
+    def head_files(cls, directory: Path, head: str) -> list[Path]:
+        return list(plaid_paths(directory, head).values())
+
+    @classmethod
+    def build_head(cls, directory: Path, head: str, vectors: TokenTable, params: dict[str, Any], *,
+                   use_gpu: bool = False) -> ResidualCodec | None:
+        """Centroids, codes and inverted file of one head (and residual codes when asked); -> the codec or None.
+
+        With ``keep_embeddings=False`` the fp16 file is removed last, once the compressed vectors are in place.
+        """
+        if isinstance(vectors, CompressedEmbeddings):
+            raise ValueError(f"{directory}: head {head!r} is stored compressed only; new centroids would need "
+                             "the original vectors: build the index again (build_index(..., overwrite=True))")
+        paths = plaid_paths(directory, head)
+        centroids = train_centroids(vectors, params["n_centroids"], train_size=params["train_size"],
+                                    niter=params["niter"], seed=params["seed"])
+        with atomic_output(paths["codes"]) as tmp:
+            codes = np.lib.format.open_memmap(tmp, mode="w+", dtype=code_dtype(len(centroids)),
+                                              shape=(vectors.shape[0],))
+            assign_codes(vectors, centroids, out=codes)
+            codes.flush()
+            del codes
+        codes = np.load(paths["codes"], mmap_mode="r")
+        ivf_offsets, ivf_docs = build_ivf(np.asarray(codes), np.load(directory / DOC_OFFSETS_NPY), len(centroids))
+        codec = None
+        if params["residual_bits"]:
+            codec = _write_residuals(paths["residuals"], vectors, codes, centroids, params)
+        else:
+            paths["residuals"].unlink(missing_ok=True)
+        del codes
+        save_npy_atomic(paths["centroids"], centroids)
+        save_npy_atomic(paths["ivf_offsets"], ivf_offsets)
+        save_npy_atomic(paths["ivf_docs"], ivf_docs)
+        if not params["keep_embeddings"]:
+            embeddings_path(directory, head).unlink(missing_ok=True)
+        return codec
+
+    # -- searching ----------------------------------------------------------------------------------------------
+    def plan(self, head: str) -> CentroidPlan:
+        """The :class:`~hil.retrieval.plaid.CentroidPlan` of ``head``, loaded on first use and kept with the index."""
+        self.index.require_head(head)
+        key = ("plan", head)
+        cache = self.index.search_structures
+        if key not in cache:
+            paths = plaid_paths(self.index.directory, head)
+            cache[key] = CentroidPlan(np.load(paths["centroids"]), np.load(paths["codes"], mmap_mode="r"),
+                                      np.load(paths["ivf_offsets"]), np.load(paths["ivf_docs"]),
+                                      self.index.doc_offsets)
+        return cache[key]
+
+    def candidates(self, queries: EncodedBatch, heads: Sequence[str]) -> list[Candidates]:
+        return [self._query_candidates(queries, row, heads) for row in range(len(queries))]
+
+    def _query_candidates(self, queries: EncodedBatch, row: int, heads: Sequence[str]) -> Candidates:
+        mask = queries.mask[row].bool()
+        per_head = []
+        for head in heads:
+            vectors = queries.heads[head][row][mask].float().cpu()  # (Lq', D) scored query tokens
+            docs, _, _ = plaid_candidates(self.plan(head), vectors, **self.plaid)
+            per_head.append(docs)
+        union = np.unique(np.concatenate(per_head)) if per_head else np.zeros(0, dtype=np.int64)
+        flags = np.stack([np.isin(union, docs, assume_unique=True) for docs in per_head], axis=1)  # (U, H)
+        return Candidates(union, flags)
+
+    def search_stats(self) -> dict[str, Any]:
+        return {"plaid": dict(self.plaid)}
+
+
+def _write_residuals(path: Path, vectors: np.ndarray, codes: np.ndarray, centroids: np.ndarray,
+                     params: dict[str, Any]) -> ResidualCodec:
+    """Fit residual buckets on a seeded sample of tokens, then compress every token into ``path``."""
+    n_tokens = vectors.shape[0]
+    rows = sample_rows(n_tokens, min(n_tokens, _CODEC_SAMPLE), params["seed"] + 1)
+    codec = fit_residual_codec(np.asarray(vectors[rows], dtype=np.float32), np.asarray(codes[rows]), centroids,
+                               params["residual_bits"])
+    with atomic_output(path) as tmp:
+        packed = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.uint8, shape=(n_tokens, codec.packed_bytes))
+        codec.compress_into(vectors, codes, packed)
+        packed.flush()
+        del packed
+    return codec

@@ -1,0 +1,276 @@
+"""Building a token index: encode the corpus (resumably), write its search structures, reuse what still matches.
+
+Building never leaves a half index behind: everything is written into ``<dir>.tmp-build`` (the corpus encoded in
+chunks there first: :mod:`hil.retrieval.chunks`), ``index.json`` last, and the folder is renamed to ``<dir>``
+only when complete. The search structures (FAISS files, PLAID centroids) are written by the back-end of the
+chosen ``faiss_kind`` (:mod:`hil.retrieval.backends`); changing only them rewrites them in place
+(:func:`rebuild_faiss`) without encoding the corpus again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from hil.modeling.contracts import Encoder
+from hil.provenance import provenance, write_json_atomic
+from hil.retrieval.backends.registry import BACKENDS, backend_class
+from hil.retrieval.chunks import encode_in_chunks, join_chunks
+from hil.retrieval.codec import CompressedEmbeddings
+from hil.retrieval.encoding import eval_mode
+from hil.retrieval.fast_encode import document_encoder, document_encoding_key
+from hil.retrieval.index import (DOC_IDS_JSON, INDEX_FORMAT, INDEX_FORMAT_VERSION, INDEX_JSON, IndexMismatchError,
+                                 TokenIndex, embeddings_path, encoder_fingerprint, fingerprint_corpus,
+                                 json_normalized, plaid_paths, unfinished_build_dir)
+from hil.retrieval.store import TokenTable
+
+logger = logging.getLogger(__name__)
+
+CALIBRATION_DOCS = 32  # documents whose activations calibrate int8 document encoding
+CHUNKS_DIR = "chunks"
+_HEAD_NAME = re.compile(r"^[A-Za-z0-9_\-]+$")
+
+
+# -- search structures ------------------------------------------------------------------------------------------
+
+def _remove_stale_files(directory: Path, head: str, kept: set[Path]) -> None:
+    """Remove the files every other kind may have left for ``head`` (an earlier build of another kind)."""
+    for backend in BACKENDS.values():
+        for path in backend.head_files(directory, head):
+            if path not in kept:
+                path.unlink(missing_ok=True)
+
+
+def write_search_files(directory: Path, embeddings: dict[str, TokenTable], kind: str,
+                       params: dict[str, Any] | None, use_gpu: bool, progress: bool) -> dict[str, Any]:
+    """Write the ``kind`` back-end's files of every head; -> the ``"faiss"`` part of ``index.json``.
+
+    Files of another kind left from an earlier build are removed, except, for a head stored compressed only, the
+    centroid files: they hold its vectors.
+    """
+    backend = backend_class(kind)
+    resolved: dict[str, Any] = {}
+    codecs: dict[str, Any] = {}
+    for head, vectors in embeddings.items():
+        resolved = backend.resolve_params(params, vectors.shape[0], vectors.shape[1])
+        started = time.perf_counter()
+        codec = backend.build_head(directory, head, vectors, resolved, use_gpu=use_gpu)
+        kept = set(backend.head_files(directory, head))
+        if isinstance(vectors, CompressedEmbeddings):
+            codec = vectors.codec
+            kept |= set(plaid_paths(directory, head).values())
+        if codec is not None:
+            codecs[head] = codec.settings()
+        _remove_stale_files(directory, head, kept)
+        if progress and backend.stores_files:
+            logger.info("faiss %s index of head %s: %.1f s", kind, head, time.perf_counter() - started)
+    settings = {"kind": kind, "params": resolved, "factory": backend.factory(resolved),
+                "metric": "inner_product", "stored": backend.stores_files}
+    if codecs:
+        settings["codecs"] = codecs
+    return settings
+
+
+def rebuild_faiss(index: TokenIndex, faiss_kind: str, faiss_params: dict[str, Any] | None = None, *,
+                  use_gpu: bool = False, progress: bool = True) -> TokenIndex:
+    """Replace the search structures of a finished index (the vectors stay), updating ``index.json``."""
+    settings = write_search_files(index.directory, index.embeddings, faiss_kind, faiss_params, use_gpu, progress)
+    write_json_atomic(index.directory / INDEX_JSON, dict(index.meta, faiss=settings))
+    return TokenIndex.load(index.directory, mmap=index.memory_mapped)
+
+
+# -- building ---------------------------------------------------------------------------------------------------
+
+def _check_corpus(doc_ids: Sequence[str], texts: Sequence[str]) -> None:
+    if len(doc_ids) != len(texts):
+        raise ValueError(f"build_index: {len(doc_ids)} doc_ids but {len(texts)} texts")
+    if not doc_ids:
+        raise ValueError("build_index: the corpus is empty")
+    if len(set(doc_ids)) != len(doc_ids):
+        seen: set[str] = set()
+        duplicates = [d for d in doc_ids if d in seen or seen.add(d)][:5]
+        raise ValueError(f"build_index: duplicate document ids, e.g. {duplicates}")
+    bad = [i for i, text in enumerate(texts) if not isinstance(text, str)][:5]
+    if bad:
+        raise TypeError(f"build_index: texts must be strings; positions {bad} are not")
+
+
+def _check_request(heads: Sequence[str], directory: Path, batch_size: int, chunk_docs: int, faiss_kind: str,
+                   faiss_params: dict[str, Any] | None, overwrite: bool) -> None:
+    """Refuse a build that cannot succeed or would destroy something, before any work is done."""
+    if batch_size < 1 or chunk_docs < 1:
+        raise ValueError(f"batch_size and chunk_docs must be >= 1 (got {batch_size}, {chunk_docs})")
+    for head in heads:
+        if not _HEAD_NAME.match(head):
+            raise ValueError(f"head name {head!r} cannot be a file name part (letters, digits, _ and - only)")
+    backend_class(faiss_kind).check_params(faiss_params)
+    if directory.exists() and not overwrite:
+        raise FileExistsError(f"{directory} exists; pass overwrite=True to replace it, or use open_or_build_index")
+    if directory.exists() and not (directory / INDEX_JSON).is_file() and any(directory.iterdir()):
+        raise FileExistsError(f"{directory} exists and is not a hil token index (no {INDEX_JSON}): "
+                              "refusing to overwrite it")
+
+
+def _calibration_texts(texts: Sequence[str], calibration_docs: int) -> list[str]:
+    """The documents a calibrated document encoding (``int8``, ``onnx-int8``) measures its activations on."""
+    return list(texts[:max(1, calibration_docs)])
+
+
+def _start_build_dir(directory: Path) -> Path:
+    """``<dir>.tmp-build`` with its ``chunks`` folder; files of an earlier, different attempt are removed, finished
+    chunks kept (they are reused when they match)."""
+    build = unfinished_build_dir(directory)
+    (build / CHUNKS_DIR).mkdir(parents=True, exist_ok=True)
+    for leftover in build.iterdir():
+        if leftover.name != CHUNKS_DIR:
+            shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
+    return build
+
+
+def _move_into_place(build: Path, directory: Path) -> None:
+    """Rename the finished ``build`` folder to ``directory``; an existing one is swapped out, then removed."""
+    if not directory.exists():
+        os.replace(build, directory)
+        return
+    old = directory.with_name(directory.name + ".old")
+    if old.exists():
+        shutil.rmtree(old)
+    os.replace(directory, old)
+    os.replace(build, directory)
+    shutil.rmtree(old)
+
+
+def build_index(encoder: Encoder, doc_ids: Sequence[str], texts: Sequence[str], directory: str | os.PathLike, *,
+                batch_size: int = 32, chunk_docs: int = 2048, faiss_kind: str = "flat",
+                faiss_params: dict[str, Any] | None = None, corpus_fingerprint: str | None = None,
+                progress: bool = True, overwrite: bool = False, use_gpu: bool = False,
+                quantize: str | None = None, calibration_docs: int = CALIBRATION_DOCS) -> TokenIndex:
+    """Encode a corpus into a token index at ``directory`` (resumable, finalized atomically; see module docstring).
+
+    ``corpus_fingerprint`` defaults to :func:`fingerprint_corpus` of the ids and texts. ``use_gpu`` trains/fills
+    IVF indexes with faiss-gpu.
+
+    Memory: at most one chunk of ``chunk_docs`` documents is held while encoding (its fp32 token vectors, about
+    ``chunk_docs * 4 * D * tokens_per_doc`` bytes, plus the model's activations for one ``batch_size`` batch);
+    the chunks are then streamed into the final memmaps, so ``chunk_docs`` is the memory knob for corpora larger
+    than RAM (``bench/README.md`` has measured peak RSS against it).
+
+    ``quantize`` picks a cheaper document encoder (queries always keep ``encoder``); recorded in ``index.json`` as
+    ``document_encoding``; None (default) encodes with ``encoder`` itself. Measured in bench/README:
+    ``"onnx-int8"`` (:mod:`hil.retrieval.onnx_encode`: ONNX Runtime, fused layers, int8 matrix products) is the
+    fast one on a CPU, at a small measured cost in nDCG@10; ``"onnx"`` is the same runtime in fp32 (same vectors);
+    ``"int8"`` is PyTorch SmoothQuant + dynamic int8 (:mod:`hil.retrieval.fast_encode`, calibrated on the first
+    ``calibration_docs`` texts); ``"compile"`` is ``torch.compile`` in fp32 (same vectors).
+    """
+    from tqdm.auto import tqdm
+
+    _check_corpus(doc_ids, texts)
+    directory = Path(directory)
+    heads = tuple(encoder.head_names)
+    _check_request(heads, directory, batch_size, chunk_docs, faiss_kind, faiss_params, overwrite)
+    corpus_fp = corpus_fingerprint or fingerprint_corpus(doc_ids, texts)
+    encoder_fp = encoder_fingerprint(encoder)
+    settings = json_normalized(encoder.settings())
+    view = document_encoder(encoder, quantize, calibration_texts=_calibration_texts(texts, calibration_docs))
+    document_encoding = view.document_encoding or None
+
+    build = _start_build_dir(directory)
+    identity = {"settings": settings, "encoder_fingerprint": encoder_fp, "corpus_fingerprint": corpus_fp,
+                "document_encoding": document_encoding}
+    bar = tqdm(total=len(doc_ids), unit="doc", desc=f"encoding {directory.name}", disable=not progress)
+    with eval_mode(view):
+        metas = encode_in_chunks(view, texts, build / CHUNKS_DIR, identity, chunk_docs=chunk_docs,
+                                 batch_size=batch_size, progress_bar=bar)
+    bar.close()
+    n_tokens = join_chunks(build / CHUNKS_DIR, build, heads, metas)
+    write_json_atomic(build / DOC_IDS_JSON, list(doc_ids))
+
+    embeddings = {head: np.load(embeddings_path(build, head), mmap_mode="r") for head in heads}
+    faiss_settings = write_search_files(build, embeddings, faiss_kind, faiss_params, use_gpu, progress)
+    del embeddings
+    shutil.rmtree(build / CHUNKS_DIR)
+    dims = metas[0]["dims"]
+    meta = provenance(settings, format=INDEX_FORMAT, format_version=INDEX_FORMAT_VERSION, n_docs=len(doc_ids),
+                      n_tokens=n_tokens, heads=list(heads), dims=dims,
+                      dim=next(iter(dims.values())) if len(set(dims.values())) == 1 else None,
+                      embedding_dtype="float16", faiss=faiss_settings, corpus_fingerprint=corpus_fp,
+                      encoder_fingerprint=encoder_fp,
+                      **({"document_encoding": document_encoding} if document_encoding else {}))
+    write_json_atomic(build / INDEX_JSON, meta)  # last: its presence marks the folder a finished index
+    _move_into_place(build, directory)
+    return TokenIndex.load(directory)
+
+
+# -- reuse ------------------------------------------------------------------------------------------------------
+
+def _same_document_encoding(index: TokenIndex, quantize: str | None, n_calibration: int) -> bool:
+    wanted = document_encoding_key(quantize, n_calibration)
+    recorded = index.meta.get("document_encoding") or {}
+    return bool(recorded) == bool(wanted) and all(recorded.get(key) == value for key, value in wanted.items())
+
+
+def _same_search_structures(index: TokenIndex, faiss_kind: str, faiss_params: dict[str, Any] | None) -> bool:
+    """Whether the stored structures are what ``faiss_kind`` / ``faiss_params`` would build (search-time settings
+    aside); raises on settings that do not apply to this index."""
+    backend = backend_class(faiss_kind)
+    wanted = [backend.resolve_params(faiss_params, index.n_tokens, dim) for dim in index.dims.values()]
+    stored = index.faiss_settings
+
+    def structural(params: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in params.items() if k not in backend.search_time_params}
+
+    return stored["kind"] == faiss_kind and all(structural(p) == structural(stored["params"]) for p in wanted)
+
+
+def _open_matching(directory: Path, corpus_fp: str, encoder: Encoder) -> TokenIndex | None:
+    """The index at ``directory`` when it was built from this corpus and encoder, else None."""
+    if not (directory / INDEX_JSON).is_file():
+        return None
+    try:
+        return TokenIndex.load(directory, expect_corpus_fingerprint=corpus_fp,
+                               expect_encoder_fingerprint=encoder_fingerprint(encoder))
+    except IndexMismatchError as error:
+        logger.warning("%s; rebuilding it", error)
+        return None
+
+
+def open_or_build_index(encoder: Encoder, doc_ids: Sequence[str], texts: Sequence[str],
+                        directory: str | os.PathLike, *, corpus_fingerprint: str | None = None,
+                        faiss_kind: str = "flat", faiss_params: dict[str, Any] | None = None,
+                        use_gpu: bool = False, **build_kwargs: Any) -> TokenIndex:
+    """Reuse the index at ``directory`` when it matches this corpus and encoder, else (re)build it.
+
+    When only the search structures differ (search-time settings such as ``nprobe`` aside), only they are
+    rebuilt; a compressed-only index has no fp16 vectors to build them from, so it is encoded again.
+    """
+    directory = Path(directory)
+    corpus_fp = corpus_fingerprint or fingerprint_corpus(doc_ids, texts)
+
+    def build() -> TokenIndex:
+        return build_index(encoder, doc_ids, texts, directory, faiss_kind=faiss_kind, faiss_params=faiss_params,
+                           corpus_fingerprint=corpus_fp, use_gpu=use_gpu, overwrite=True, **build_kwargs)
+
+    index = _open_matching(directory, corpus_fp, encoder)
+    if index is None:
+        return build()
+    n_calibration = len(_calibration_texts(texts, build_kwargs.get("calibration_docs", CALIBRATION_DOCS)))
+    if not _same_document_encoding(index, build_kwargs.get("quantize"), n_calibration):
+        logger.info("%s: documents were encoded with %s, %s wanted: rebuilding it", directory,
+                    index.meta.get("document_encoding") or {},
+                    document_encoding_key(build_kwargs.get("quantize"), n_calibration))
+        return build()
+    if _same_search_structures(index, faiss_kind, faiss_params):
+        return index
+    if index.compressed_only:
+        logger.info("%s: compressed-only index with other settings: rebuilding it", directory)
+        return build()
+    logger.info("%s: FAISS settings differ (%s -> %s): rebuilding the FAISS part only", directory,
+                index.faiss_settings["kind"], faiss_kind)
+    return rebuild_faiss(index, faiss_kind, faiss_params, use_gpu=use_gpu, progress=build_kwargs.get("progress", True))

@@ -1,0 +1,109 @@
+"""Resumable encoding of a corpus in chunks, then one pass that joins the chunks into an index's token files.
+
+The corpus is encoded ``chunk_docs`` documents at a time into a ``chunks`` folder: chunk ``n`` is the files
+``chunk-<n>.<head>.npy``, ``chunk-<n>.token_ids.npy``, ``chunk-<n>.lengths.npy`` (each written atomically) and
+``chunk-<n>.json``, written last: its presence marks the chunk finished. A rerun after a crash reuses every
+finished chunk whose metadata matches what it would write now (document range, settings, fingerprints, document
+encoding) and encodes the rest. Memory: one chunk's vectors at a time; joining streams the chunks into memmaps.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from hil.provenance import write_json_atomic
+from hil.retrieval.encoding import DocumentEncoder, encode_document_tokens
+from hil.retrieval.index import (DOC_OFFSETS_NPY, INDEX_FORMAT_VERSION, TOKEN_IDS_NPY, embeddings_path,
+                                 save_npy_atomic)
+
+
+def chunk_paths(chunks: Path, number: int, heads: Sequence[str]) -> dict[str, Path]:
+    """The files of chunk ``number``: ``emb:<head>`` per head, ``token_ids``, ``lengths`` and ``meta``."""
+    stem = f"chunk-{number:05d}"
+    paths = {f"emb:{head}": chunks / f"{stem}.{head}.npy" for head in heads}
+    paths.update(token_ids=chunks / f"{stem}.token_ids.npy", lengths=chunks / f"{stem}.lengths.npy",
+                 meta=chunks / f"{stem}.json")
+    return paths
+
+
+def finished_chunk(paths: dict[str, Path], expected: dict[str, Any]) -> dict[str, Any] | None:
+    """The metadata of a finished chunk matching ``expected`` (index, doc range, settings, fingerprints), or None."""
+    if not paths["meta"].is_file():
+        return None
+    try:
+        with open(paths["meta"], encoding="utf-8") as handle:
+            meta = json.load(handle)
+    except (OSError, json.JSONDecodeError):
+        return None
+    if any(meta.get(key) != value for key, value in expected.items()):
+        return None
+    if not all(path.is_file() for path in paths.values()):
+        return None
+    return meta
+
+
+def _write_chunk(encoder: DocumentEncoder, texts: Sequence[str], paths: dict[str, Path], expected: dict[str, Any],
+                 batch_size: int, progress_bar: Any) -> dict[str, Any]:
+    """Encode one chunk's texts and write its files, the metadata last; -> the metadata."""
+    heads = tuple(encoder.head_names)
+    encoded = encode_document_tokens(encoder, texts, batch_size=batch_size, progress_bar=progress_bar)
+    for head in heads:
+        save_npy_atomic(paths[f"emb:{head}"], encoded.embeddings[head])
+    save_npy_atomic(paths["token_ids"], encoded.token_ids)
+    save_npy_atomic(paths["lengths"], encoded.lengths)
+    meta = dict(expected, n_tokens=int(encoded.lengths.sum()),
+                dims={head: int(encoded.embeddings[head].shape[1]) for head in heads})
+    write_json_atomic(paths["meta"], meta)  # last: its presence marks the chunk finished
+    return meta
+
+
+def encode_in_chunks(encoder: DocumentEncoder, texts: Sequence[str], chunks: Path, identity: dict[str, Any], *,
+                     chunk_docs: int, batch_size: int, progress_bar: Any) -> list[dict[str, Any]]:
+    """Encode ``texts`` into ``chunks`` (reusing finished chunks of the same ``identity``: settings, fingerprints
+    and document encoding); -> every chunk's metadata, in order. Call inside ``eval_mode``."""
+    heads = tuple(encoder.head_names)
+    metas = []
+    for number, start in enumerate(range(0, len(texts), chunk_docs)):
+        end = min(start + chunk_docs, len(texts))
+        paths = chunk_paths(chunks, number, heads)
+        expected = {"format_version": INDEX_FORMAT_VERSION, "chunk": number, "doc_start": start, "doc_end": end,
+                    "heads": list(heads), **identity}
+        meta = finished_chunk(paths, expected)
+        if meta is not None:
+            progress_bar.update(end - start)
+        else:
+            meta = _write_chunk(encoder, texts[start:end], paths, expected, batch_size, progress_bar)
+        metas.append(meta)
+    return metas
+
+
+def join_chunks(chunks: Path, target: Path, heads: Sequence[str], metas: list[dict[str, Any]]) -> int:
+    """Stream the chunks into ``target``'s ``<head>.embeddings.npy`` (fp16), ``token_ids.npy`` and
+    ``doc_offsets.npy``; -> the number of tokens. ``target`` is an unfinished folder (renamed when complete)."""
+    n_tokens = sum(meta["n_tokens"] for meta in metas)
+    n_docs = metas[-1]["doc_end"]
+    dims = metas[0]["dims"]
+    vectors = {head: np.lib.format.open_memmap(embeddings_path(target, head), mode="w+", dtype=np.float16,
+                                               shape=(n_tokens, dims[head])) for head in heads}
+    token_ids = np.lib.format.open_memmap(target / TOKEN_IDS_NPY, mode="w+", dtype=np.int32, shape=(n_tokens,))
+    lengths = np.zeros(n_docs, dtype=np.int64)
+    cursor = 0
+    for meta in metas:
+        paths = chunk_paths(chunks, meta["chunk"], heads)
+        count = meta["n_tokens"]
+        for head in heads:
+            vectors[head][cursor: cursor + count] = np.load(paths[f"emb:{head}"], mmap_mode="r")
+        token_ids[cursor: cursor + count] = np.load(paths["token_ids"], mmap_mode="r")
+        lengths[meta["doc_start"]: meta["doc_end"]] = np.load(paths["lengths"])
+        cursor += count
+    for array in (*vectors.values(), token_ids):
+        array.flush()
+    del vectors, token_ids
+    offsets = np.zeros(n_docs + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    save_npy_atomic(target / DOC_OFFSETS_NPY, offsets)
+    return n_tokens

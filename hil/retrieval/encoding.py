@@ -1,0 +1,150 @@
+"""Encoding documents into stored tokens: what a document encoder must offer, and the encoding loop itself.
+
+Indexing only ever encodes documents, and may do it through a cheaper stand-in for the caller's encoder (an int8
+copy, a ``torch.compile`` or ONNX Runtime view: :mod:`hil.retrieval.fast_encode`). What that needs is written
+down once as :class:`DocumentEncoder`; every :class:`~hil.modeling.contracts.Encoder` satisfies it, and
+:class:`DocumentEncoderView` wraps a stand-in together with the description an index records of it.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator, Protocol, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from hil.data.tokenization import ColBERTTokenizer
+from hil.modeling.contracts import EncodedBatch, Encoder
+from hil.retrieval.store import TokenStore
+
+
+class DocumentEncoder(Protocol):
+    """What encoding documents into a token store needs: the heads and their dimension, ColBERT's document
+    tokenization (to sort documents by length) and the documents' token embeddings."""
+
+    @property
+    def head_names(self) -> tuple[str, ...]: ...
+
+    @property
+    def dim(self) -> int: ...
+
+    @property
+    def tokenizer(self) -> ColBERTTokenizer: ...
+
+    def encode_documents(self, texts: Sequence[str]) -> EncodedBatch: ...
+
+
+class DocumentEncoderView(nn.Module):
+    """The encoder indexing runs documents through, and what ``index.json`` records about it.
+
+    ``encoder`` is the caller's encoder itself (``document_encoding`` empty) or a stand-in for it: a quantized copy,
+    or a view sharing its heads whose backbone runs elsewhere. Queries are never encoded through it.
+    """
+
+    def __init__(self, encoder: Encoder, document_encoding: dict[str, Any] | None = None):
+        super().__init__()
+        self.encoder = encoder
+        self.document_encoding: dict[str, Any] = dict(document_encoding or {})
+        # Mirror the wrapped encoder's mode, so that eval_mode(view) restores the encoder's own flag afterwards.
+        self.training = encoder.training
+
+    @property
+    def head_names(self) -> tuple[str, ...]:
+        return tuple(self.encoder.head_names)
+
+    @property
+    def dim(self) -> int:
+        return int(self.encoder.dim)
+
+    @property
+    def tokenizer(self) -> ColBERTTokenizer:
+        return self.encoder.tokenizer
+
+    def encode_documents(self, texts: Sequence[str]) -> EncodedBatch:
+        return self.encoder.encode_documents(texts)
+
+
+@contextmanager
+def eval_mode(module: nn.Module) -> Iterator[None]:
+    """Evaluation mode (no dropout) and no autograd for the duration; the training flag is restored after."""
+    was_training = module.training
+    # eval() / train() set a flag on every submodule (~2 ms for a BERT, per query in full ranking): skip both when
+    # everything is already in eval mode, which is then exactly what they would have left.
+    switch = any(m.training for m in module.modules())
+    if switch:
+        module.eval()
+    try:
+        with torch.inference_mode():
+            yield
+    finally:
+        if switch:
+            module.train(was_training)
+
+
+@dataclass
+class EncodedTokens:
+    """Scored tokens of a list of documents, in the input order: the content of a :class:`TokenStore`."""
+
+    embeddings: dict[str, np.ndarray]  # head -> (n_tokens, D)
+    token_ids: np.ndarray              # (n_tokens,) int32
+    lengths: np.ndarray                # (n_docs,) int64
+
+    def to_store(self, doc_ids: list[str]) -> TokenStore:
+        offsets = np.zeros(len(self.lengths) + 1, dtype=np.int64)
+        np.cumsum(self.lengths, out=offsets[1:])
+        return TokenStore(doc_ids, offsets, self.embeddings, self.token_ids)
+
+
+def document_token_lengths(encoder: DocumentEncoder, texts: Sequence[str]) -> np.ndarray:
+    """Tokens per document after the encoder's tokenization (markers included), used to sort into batches."""
+    return encoder.tokenizer.encode_documents(list(texts)).attention_mask.sum(dim=1).numpy()
+
+
+def _input_order_gather(order: np.ndarray, sorted_lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Documents were encoded in ``order``; -> (lengths in input order, token rows that put them back in order).
+
+    New token t of input document i comes from document i's contiguous block in the sorted concatenation.
+    """
+    sorted_offsets = np.concatenate([[0], np.cumsum(sorted_lengths)])
+    position = np.empty(len(order), dtype=np.int64)
+    position[order] = np.arange(len(order))  # input document -> its place in the encoding order
+    lengths = sorted_lengths[position]
+    new_offsets = np.concatenate([[0], np.cumsum(lengths)])
+    gather = np.repeat(sorted_offsets[position] - new_offsets[:-1], lengths) + np.arange(new_offsets[-1])
+    return lengths, gather
+
+
+def encode_document_tokens(encoder: DocumentEncoder, texts: Sequence[str], *, batch_size: int = 32,
+                           dtype: np.dtype | type = np.float16, progress_bar: Any = None) -> EncodedTokens:
+    """Encode ``texts`` and keep only the scored tokens of each document, flattened in input order.
+
+    Documents are sorted by token length (longest first, so running out of memory shows up at once) and cut
+    into batches: little padding. Call inside :func:`eval_mode`. ``progress_bar`` (tqdm) is advanced per batch.
+    """
+    n = len(texts)
+    heads = tuple(encoder.head_names)
+    order = np.argsort(-document_token_lengths(encoder, texts), kind="stable")
+    parts: dict[str, list[np.ndarray]] = {head: [] for head in heads}
+    id_parts: list[np.ndarray] = []
+    sorted_lengths = np.zeros(n, dtype=np.int64)
+    for start in range(0, n, batch_size):
+        rows = order[start: start + batch_size]
+        batch = encoder.encode_documents([texts[i] for i in rows])
+        mask = batch.mask.bool()  # (B, L)
+        for head in heads:
+            # Boolean indexing walks (B, L) row by row: the tokens of each document stay contiguous and in order.
+            parts[head].append(batch.heads[head][mask].detach().to("cpu", torch.float32).numpy().astype(dtype))
+        id_parts.append(batch.input_ids[mask].detach().cpu().numpy().astype(np.int32))
+        sorted_lengths[start: start + len(rows)] = mask.sum(dim=1).cpu().numpy()
+        if progress_bar is not None:
+            progress_bar.update(len(rows))
+
+    lengths, gather = _input_order_gather(order, sorted_lengths)
+    dim = int(encoder.dim)
+    embeddings = {head: (np.concatenate(chunks) if chunks else np.zeros((0, dim), dtype=dtype))[gather]
+                  for head, chunks in parts.items()}
+    token_ids = np.concatenate(id_parts)[gather] if id_parts else np.zeros(0, dtype=np.int32)
+    return EncodedTokens(embeddings, token_ids, lengths)
