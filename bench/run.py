@@ -44,6 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -166,13 +167,12 @@ def _variant_index(cfg: dict[str, Any], base: Any, name: str) -> tuple[Any, floa
     return TokenIndex.load(target), seconds
 
 
-def _ndcg(dataset: Any, run: dict[str, dict[str, float]], per_query: bool = False) -> Any:
-    """Mean nDCG@10 of ``run`` (and, with ``per_query``, each query's value)."""
-    from hil.evaluation.metrics import evaluate_run
+def _ndcg(dataset: Any, run: dict[str, dict[str, float]]) -> tuple[float, dict[str, float]]:
+    """Mean nDCG@10 of ``run`` and each query's value (``hil.evaluation``'s scoring of a run)."""
+    from hil.evaluation.evaluate import score_run
 
-    aggregate, queries = evaluate_run(dataset.qrels, run, ["ndcg@10"])
-    mean = float(aggregate["ndcg@10"])
-    return (mean, {q: float(v["ndcg@10"]) for q, v in queries.items()}) if per_query else mean
+    evaluation = score_run("bench", dataset, run, metrics=("ndcg@10",))
+    return float(evaluation.aggregate["ndcg@10"]), {q: float(v["ndcg@10"]) for q, v in evaluation.per_query.items()}
 
 
 def _vs_exact(result: dict[str, Any]) -> str:
@@ -299,7 +299,7 @@ def section_index(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def section_search(cfg: dict[str, Any]) -> dict[str, Any]:
-    from hil.retrieval.search import exact_rank
+    from hil.evaluation.evaluate import EvaluationSettings, evaluate
     from measure import peak_rss_mb, percentiles
 
     name = cfg["variant"]
@@ -315,8 +315,11 @@ def section_search(cfg: dict[str, Any]) -> dict[str, Any]:
     exact_ndcg_path = Path(cfg["work"]) / f"{exact_stem}.ndcg10.json"
     if name == "exact" or INDEX_VARIANTS.get(name, ("",))[0] == "flat":  # a flat index is searched exhaustively
         tick = time.perf_counter()
-        result = exact_rank(encoder, base, queries, k=cfg["k"], progress=False)
-        ndcg10, per_query = _ndcg(dataset, result.run, per_query=True)
+        judged = replace(dataset, queries=queries, qrels={q: dataset.qrels[q] for q in queries})
+        result = evaluate(encoder, judged, EvaluationSettings(mode="exhaustive", k=cfg["k"], metrics=("ndcg@10",),
+                                                              progress=False), store=base)
+        ndcg10 = float(result.aggregate["ndcg@10"])
+        per_query = {q: float(v["ndcg@10"]) for q, v in result.per_query.items()}
         out.update(ndcg10=ndcg10, ms_per_query_batched=1000 * (time.perf_counter() - tick)
                    / max(1, len(queries)), document_encoding=base.meta.get("document_encoding"))
         if name == "exact":
@@ -331,14 +334,14 @@ def section_search(cfg: dict[str, Any]) -> dict[str, Any]:
         out.update(percentiles(times), queries=len(limited), candidates_mean=stats.get("candidates_mean"),
                    ncandidates=cfg["ncandidates"])
     elif name == "bm25":
-        from hil.evaluation.pipeline import evaluate_bm25
+        from hil.evaluation.evaluate import evaluate_bm25
 
         out.update(ndcg10=float(evaluate_bm25(dataset).aggregate["ndcg@10"]), variant="bm25")
     else:
         index, _ = _variant_index(cfg, base, name)
         options = {k: v for k, v in cfg.get("search_options", {}).items() if v is not None}
         run, times, stats = _latencies(encoder, index, queries, cfg["k"], **options)
-        ndcg10, per_query = _ndcg(dataset, run, per_query=True)
+        ndcg10, per_query = _ndcg(dataset, run)
         out.update(percentiles(times), ndcg10=ndcg10, overlap10_vs_exact=_overlap(exact_path, run),
                    ndcg10_vs_exact=_paired_difference(exact_ndcg_path, per_query),
                    candidates_mean=stats.get("candidates_mean"),

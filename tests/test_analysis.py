@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hil.analysis import plots
+from hil.analysis import plots, render
 from hil.analysis.layers import layer_inter_iso, log_difference
 from hil.analysis.overlap import candidate_overlap, ranked_overlap
 from hil.analysis.similarity import isotropy_scores, pair_cosines, token_cosines, top_pairs
@@ -162,6 +162,125 @@ def test_venn_circle_distance_gives_the_asked_overlap():
     assert lens == pytest.approx(0.5, abs=1e-6)
 
 
+# -- the Markdown renderer (expected text written by hand) ----------------------------------------------------------
+
+def test_render_retrieval_table_with_intervals_and_missing_values():
+    report = {"runs": {"bm25": {"metrics": {"mrr@10": 0.5, "recall@100": 1.0}}, "m": {"metrics": {"mrr@10": 0.25}}},
+              "statistics": {"confidence": 0.95, "n_bootstrap": 10,
+                             "bootstrap": {"bm25": {"ndcg@10": {"observed": 0.6, "low": 0.5, "high": 0.7}}, "m": {}}},
+              "figures": {"intervals": "i.png"}}
+    assert "\n".join(render.retrieval_lines(report, ["ndcg@10"])) == """## Retrieval quality
+
+Mean per-query metric with its bootstrap 95% percentile interval (10 resamples of all queries; 004 Sec. 2.1).
+
+| run | ndcg@10 | mrr@10 | recall@100 |
+|---|---|---|---|
+| bm25 | 0.6000 [0.5000, 0.7000] | 0.5000 | 1.0000 |
+| m | n/a | 0.2500 | n/a |
+
+![nDCG@10 intervals](i.png)
+"""
+
+
+def test_render_layer_table_with_reference_and_ragged_curves():
+    layers = {"values": {"a": [0.1, 0.2], "b": [0.01, 0.02, 0.0004]}, "reference": "b",
+              "log10_difference": {"a": [1.0, 1.0]}}
+    assert "\n".join(render.layer_lines(layers, {"layers": "l.png"})) == """## InterIso per layer (001 Fig. 5)
+
+Mean InterIso of L2-normalized hidden states on the same pairs; layer 0 = embeddings. Log10 difference to b.
+
+| layer | a | b | log10 diff a |
+|---|---|---|---|
+| 0 | 0.1000 | 0.0100 | 1.0000 |
+| 1 | 0.2000 | 0.0200 | 1.0000 |
+| 2 | n/a | 4.00e-04 | n/a |
+
+![layers](l.png)
+"""
+
+
+def test_render_head_overlap_per_stage_or_not_applicable():
+    first = {"heads": ["L", "H"], "only_L": 6, "only_H": 3, "both": 1, "share_both": 0.1, "share_L": 0.7,
+             "share_H": 0.4}
+    ranked = {"heads": ["L", "H"], "k": 10, "only_L": 2, "only_H": 0, "both": 8, "share_both": 0.8, "share_L": 1.0,
+              "share_H": 0.8}
+    overlaps = {"hil": {"first_stage": first, "ranked": ranked}}
+    assert "\n".join(render.head_overlap_lines(overlaps, {"overlap": "o.png"})) == """## Head overlap (001 Fig. 3)
+
+| run | documents | only a | only b | both | share both | share a | share b |
+|---|---|---|---|---|---|---|---|
+| hil | first_stage | 6 (L) | 3 (H) | 1 | 0.1000 | 0.7000 | 0.4000 |
+| hil | top 10 | 2 (L) | 0 (H) | 8 | 0.8000 | 1.0000 | 0.8000 |
+
+![overlap](o.png)
+"""
+    assert render.head_overlap_lines({}, {}) == [
+        "## Head overlap (001 Fig. 3)", "",
+        "Not applicable: no two-head model (HIL or ColBERT-lambda) in this analysis.", ""]
+
+
+def test_render_vocabulary_example_orders_shared_tokens_by_passage_rank():
+    example = {"qid": "7", "query": "cats eat fish", "top_query": ["cat", "food"], "docid": "d1",
+               "retrieved_rank": None, "top_passage": ["fish", "cat"], "shared": {"cats": [3, 9], "fish": [40, 1]},
+               "max_rank_passage": 9, "max_rank_query": 40}
+    assert "\n".join(render.example_lines(example)) == """**Query 7**: cats eat fish
+
+- top tokens of Q: cat food
+- top tokens of P (doc d1, rank in the model's run: not retrieved): fish cat
+- shared tokens (rank in Q, rank in P): fish (Q 40, P 1), cats (Q 3, P 9)
+- token amnesia: worst rank in P 9, in Q 40
+"""
+    assert render.vocabulary_lines({"available": False, "note": "no MLM head"}) == [
+        "## Vocabulary projections and token amnesia (003)", "", "Skipped: no MLM head", ""]
+
+
+def _small_report():
+    return {
+        "created": "2024-01-01T00:00:00+00:00", "git_commit": None,
+        "settings": {"model": "m", "command": "python -m hil.analysis --model m", "seed": 1, "k": 10,
+                     "isotropy_tokens": 5, "coe_psi": 10.0, "threshold_k": 5},
+        "dataset": {"name": "toy", "split": "test", "queries": 2, "documents": 3, "fingerprint": "abc"},
+        "runs": {"m": {"metrics": {"mrr@10": 0.5, "recall@100": 1.0}}},
+        "statistics": {"confidence": 0.95, "n_bootstrap": 10, "n_permutations": 20, "paired": [],
+                       "bootstrap": {"m": {"ndcg@10": {"observed": 0.5, "low": 0.25, "high": 0.75}}}},
+        "isotropy": [{"variant": "m", "head": "colbert", "side": "queries", "n_points": 7, "I(W)": 0.5,
+                      "avg_cos": 0.00005, "isoscore": None}],
+        "token_cosines": {}, "token_cosine_pairs": 2, "head_overlap": {}, "thresholds": {},
+        "layers": {"values": {"m": [0.125]}, "reference": None, "log10_difference": None},
+        "vocabulary": {"available": False, "note": "no MLM head"}, "notes": ["x skipped"],
+        "figures": {"intervals": "i.png", "isotropy": "iso.png", "token_cosines": "c.png", "layers": "l.png"},
+        "timings_s": {"bm25": 0.5, "model": 2}}
+
+
+def test_render_markdown_sections_in_order_each_table_then_a_blank_line():
+    text = render.render_markdown(_small_report(), ["ndcg@10"])
+    lines = text.split("\n")
+    assert lines[:7] == ["# Analysis: m on toy", "", "```", "python -m hil.analysis --model m", "```", "",
+                         "Dataset toy (test): 2 queries, 3 documents (fingerprint abc). Seed 1; full ranking, top 10; "
+                         "created 2024-01-01T00:00:00+00:00 (git n/a)."]
+    assert [line for line in lines if line.startswith("## ")] == [
+        "## Retrieval quality", "## Significance", "## Isotropy", "## Query-document token cosines (001 Fig. 2)",
+        "## InterIso per layer (001 Fig. 5)", "## Head overlap (001 Fig. 3)",
+        "## Score thresholds and COE / ROE (004 Secs. 2.2-2.3)", "## Vocabulary projections and token amnesia (003)",
+        "## Notes", "## Timings (s)"]  # no BM25-Easy split, no transforms: nothing rendered for them
+    assert "| m | colbert | queries | 7 | 0.5000 | 5.00e-05 | n/a |" in lines
+    table_ends = [i for i, line in enumerate(lines) if line.startswith("|") and not lines[i + 1].startswith("|")]
+    assert len(table_ends) == 6 and all(lines[i + 1] == "" for i in table_ends)
+    assert text.endswith("## Notes\n\n- x skipped\n\n## Timings (s)\n\nbm25: 0.5, model: 2\n")
+
+
+def test_judged_pairs_take_the_best_graded_document_in_the_corpus():
+    from types import SimpleNamespace
+
+    from hil.analysis.sections import judged_pairs
+
+    dataset = SimpleNamespace(queries={"q3": "", "q1": "", "q2": "", "q4": ""}, corpus={"a": {}, "b": {}, "c": {}},
+                              qrels={"q1": {"c": 1, "b": 2, "x": 5}, "q2": {"c": 1, "a": 1}, "q3": {"a": 0},
+                                     "q4": {"b": 1}})
+    assert judged_pairs(dataset, 10) == [("q1", "b"), ("q2", "a"), ("q4", "b")]  # "x" is not in the corpus
+    assert judged_pairs(dataset, 2) == [("q1", "b"), ("q2", "a")]
+
+
 # -- the MLM head --------------------------------------------------------------------------------------------------
 
 @pytest.mark.integration
@@ -218,6 +337,9 @@ def test_report_files_and_sections(report):
                     "## Vocabulary projections and token amnesia (003)", "**Query "):
         assert section in text, section
     assert json.loads((output / "report.json").read_text())["figures"] == data["figures"]
+    from hil.analysis.report import STAT_METRICS
+
+    assert render.render_markdown(json.loads((output / "report.json").read_text()), STAT_METRICS) == text
     assert set(data["figures"]) == {"intervals", "token_cosines", "layers", "overlap", "isotropy"}
     for name in data["figures"].values():
         assert (output / name).stat().st_size > 1000 and f"({name})" in text

@@ -15,7 +15,7 @@ import yaml
 
 from hil.cli import train_main
 from hil.data.beir import load_beir
-from hil.evaluation.pipeline import evaluate_retriever
+from hil.evaluation.evaluate import EvaluationSettings, evaluate
 from hil.modeling.ensemble import EnsembleEncoder
 from hil.modeling.loading import load_encoder
 
@@ -148,8 +148,8 @@ def trained(tmp_path_factory, shared_dir):
 
 
 def check_evaluation(encoder, dataset, tmp_path: Path) -> dict[str, float]:
-    evaluation = evaluate_retriever(encoder, dataset, mode="full", k=100, index_root=tmp_path / "indexes",
-                                    progress=False)
+    evaluation = evaluate(encoder, dataset, EvaluationSettings(mode="full", k=100, index_root=tmp_path / "indexes",
+                                                               progress=False))
     assert set(evaluation.run) == set(dataset.queries)
     for metric, value in evaluation.aggregate.items():
         assert math.isfinite(value) and 0.0 <= value <= 1.0, (metric, value)

@@ -13,12 +13,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hil.data.beir import BeirDataset
-from hil.experiments.paper import _rank, head_overlap, main, relevant_pairs
+from hil.experiments.paper import head_overlap, main, relevant_pairs
 from hil.experiments.profiles import DATASETS, PROFILES, VARIANTS
 from hil.experiments.records import delta_inter_iso
 from hil.modeling.encoder import ColBERTEncoder
 from hil.retrieval.encoding import encode_document_tokens, eval_mode
-from hil.retrieval.search import score_documents
+from hil.retrieval.search import rank_matrix, score_documents
 
 
 def _dataset() -> BeirDataset:
@@ -59,10 +59,10 @@ def test_rank_full_and_rerank_against_sorting():
     dataset = _dataset()
     doc_ids = dataset.doc_ids()
     scores = np.array([[0.1, 0.9, 0.5, 0.9, 0.0, 0.3], [1.0, 2.0, 3.0, 4.0, 5.0, 6.0], [0, 0, 0, 0, 0, 0.0]])
-    run = _rank(dataset, ["q1", "q2", "q3"], doc_ids, scores, "full", None, k=3)
+    run = rank_matrix(scores, ["q1", "q2", "q3"], doc_ids, k=3)
     assert list(run["q1"]) == ["d1", "d3", "d2"]  # tie at 0.9 broken by id
     assert list(run["q2"]) == ["d5", "d4", "d3"]
-    rerun = _rank(dataset, ["q1", "q2", "q3"], doc_ids, scores, "rerank", {"q1": ["d0", "d4"], "q2": []}, k=3)
+    rerun = rank_matrix(scores, ["q1", "q2", "q3"], doc_ids, k=3, candidates={"q1": ["d0", "d4"], "q2": []})
     assert list(rerun["q1"]) == ["d0", "d4"] and rerun["q2"] == {} and rerun["q3"] == {}
 
 

@@ -159,7 +159,7 @@ def index_root(tmp_path_factory):
 
 @pytest.mark.integration
 def test_derived_index_whitens_stored_vectors(tiny_colbert, scifact, index_root):
-    from hil.evaluation.pipeline import default_index_dir
+    from hil.evaluation.evaluate import index_dir as default_index_dir
 
     base = build_index(tiny_colbert, scifact.doc_ids(), scifact.documents(),
                        default_index_dir(index_root, scifact, tiny_colbert), progress=False,
@@ -205,11 +205,12 @@ def test_derived_index_whitens_stored_vectors(tiny_colbert, scifact, index_root)
 
 @pytest.mark.integration
 def test_evaluate_transformed_runs_and_differs(tiny_colbert, scifact, index_root):
-    from hil.evaluation.pipeline import evaluate_retriever, evaluate_transformed, evaluation_statistics
+    from hil.evaluation.evaluate import EvaluationSettings, evaluate, evaluate_transformed
+    from hil.evaluation.results import evaluation_statistics
 
-    plain = evaluate_retriever(tiny_colbert, scifact, k=100, index_root=index_root, progress=False)
-    whitened, encoder = evaluate_transformed(tiny_colbert, scifact, "whitening", k=100, index_root=index_root,
-                                             progress=False)
+    settings = EvaluationSettings(k=100, index_root=index_root, progress=False)
+    plain = evaluate(tiny_colbert, scifact, settings)
+    whitened, encoder = evaluate_transformed(tiny_colbert, scifact, "whitening", settings)
     assert set(whitened.run) == set(scifact.queries)
     assert whitened.details["index_dir"] != plain.details["index_dir"]
     assert whitened.details["transform"]["files"] == ["transform_colbert.pt"]

@@ -19,10 +19,21 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
+import faiss
 import torch
 
+from hil.data.beir import BeirDataset, load_beir
+from hil.evaluation.evaluate import (Evaluation, EvaluationSettings, evaluate, evaluate_bm25, evaluate_transformed,
+                                     first_stage)
+from hil.evaluation.results import evaluation_statistics, format_statistics, format_table, write_results
+from hil.modeling.contracts import Encoder
+from hil.modeling.hil import HILEncoder
+from hil.modeling.loading import load_encoder
+from hil.retrieval.backends.registry import FAISS_KINDS as BACKEND_KINDS
 from hil.retrieval.fast_encode import DOCUMENT_ENCODINGS
+from hil.retrieval.index import encoder_fingerprint
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,12 +44,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dataset", required=True, help="BEIR name (under HIL_DATA_DIR, else the hub) or folder")
     parser.add_argument("--split", default="test")
     parser.add_argument("--data-dir", default=None, help="overrides HIL_DATA_DIR")
-    parser.add_argument("--mode", choices=("full", "rerank", "bm25"), default="full")
+    parser.add_argument("--mode", choices=("full", "rerank", "exhaustive", "bm25"), default="full",
+                        help="full ranking through the index's back-end (default), re-ranking BM25's top "
+                             "--rerank-depth, exhaustive exact scoring of every document, or BM25 alone")
     parser.add_argument("--no-bm25", action="store_true", help="skip the BM25 baseline row")
     parser.add_argument("--k", type=int, default=1000, help="documents kept per query")
     parser.add_argument("--ncandidates", type=int, default=None, help="FAISS neighbours per query token")
     parser.add_argument("--rerank-depth", type=int, default=100)
-    parser.add_argument("--faiss", choices=("flat", "ivfflat", "ivfpq", "plaid"), default="flat")
+    parser.add_argument("--faiss", choices=BACKEND_KINDS, default="flat", help="the index's search back-end")
     parser.add_argument("--faiss-params", type=json.loads, default=None,
                         help='JSON, e.g. \'{"nlist": 1024, "m": 16, "nbits": 8, "nprobe": 16}\'')
     parser.add_argument("--encode-documents", choices=("fp32", *DOCUMENT_ENCODINGS), default="fp32",
@@ -75,62 +88,71 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def settings_from(args: argparse.Namespace) -> EvaluationSettings:
+    """The evaluation settings the command line asks for (BM25-only runs use none)."""
+    return EvaluationSettings(
+        mode="full" if args.mode == "bm25" else args.mode, k=args.k, drop_self_matches=not args.keep_self_matches,
+        index_root=args.index_root, backend=args.faiss, backend_params=args.faiss_params,
+        ncandidates=args.ncandidates, rerank_depth=args.rerank_depth, batch_size=args.batch_size,
+        document_encoding=None if args.encode_documents == "fp32" else args.encode_documents,
+        progress=not args.quiet)
+
+
+def load_model(args: argparse.Namespace, dataset: BeirDataset) -> Encoder:
+    """The model of ``--model`` (an untrained head with ``--dim`` etc. for a bare backbone), with its IDF
+    recomputed on the evaluated corpus for ``--idf corpus``."""
+    overrides = {k: v for k, v in {"dim": args.dim, "query_maxlen": args.query_maxlen,
+                                   "doc_maxlen": args.doc_maxlen}.items() if v is not None}
+    torch.manual_seed(args.seed)  # an untrained head is a seeded random projection
+    encoder = load_encoder(args.model, **overrides)
+    if args.idf == "corpus":
+        if not isinstance(encoder, HILEncoder):
+            raise SystemExit(f"evaluate.py: --idf corpus needs a model with IDF weights (ColBERT-HIL); "
+                             f"{args.model} is {encoder.architecture}")
+        encoder.set_idf_from_texts(dataset.documents(), source=f"{dataset.name} corpus ({dataset.split})")
+    return encoder
+
+
+def evaluate_model(args: argparse.Namespace, dataset: BeirDataset, bm25: Evaluation | None
+                   ) -> tuple[list[Evaluation], dict[str, Any]]:
+    """The model as is and under each ``--transform``; what each run was (source, settings, fingerprint)."""
+    encoder = load_model(args, dataset)
+    settings = settings_from(args)
+    candidates = first_stage(bm25, args.rerank_depth) if args.mode == "rerank" else None
+    evaluations, models = [], {}
+    with torch.inference_mode():
+        evaluations.append(evaluate(encoder, dataset, settings, candidates=candidates))
+        models[evaluations[-1].name] = {"source": args.model, "settings": encoder.settings(),
+                                        "fingerprint": encoder_fingerprint(encoder)}
+        for spec in args.transform:
+            evaluation, transformed = evaluate_transformed(
+                encoder, dataset, spec, settings, transform_mode=args.transform_mode,
+                max_tokens=args.transform_max_tokens, seed=args.seed, candidates=candidates)
+            evaluations.append(evaluation)
+            models[evaluation.name] = {"source": args.model, "settings": transformed.settings(),
+                                       "fingerprint": encoder_fingerprint(transformed)}
+    return evaluations, models
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-        import faiss
-
         faiss.omp_set_num_threads(args.threads)
-    from hil.data.beir import load_beir
-    from hil.evaluation.pipeline import (evaluate_bm25, evaluate_retriever, evaluate_transformed,
-                                         evaluation_statistics, format_statistics, format_table, write_results)
-    from hil.modeling.hil import HILEncoder
-    from hil.modeling.loading import load_encoder
-
+    if args.mode == "bm25" and args.transform:
+        raise SystemExit("evaluate.py: --transform needs a model (not --mode bm25)")
     dataset = load_beir(args.dataset, split=args.split, data_dir=args.data_dir)
     if args.max_queries or args.max_docs:
         dataset = dataset.subset(args.max_queries, args.max_docs, seed=args.seed)
-    overrides = {k: v for k, v in {"dim": args.dim, "query_maxlen": args.query_maxlen,
-                                   "doc_maxlen": args.doc_maxlen}.items() if v is not None}
-    torch.manual_seed(args.seed)
-    evaluations, models = [], {}
+    evaluations: list[Evaluation] = []
+    models: dict[str, Any] = {}
     bm25 = None
     if not args.no_bm25 or args.mode in ("rerank", "bm25"):
         bm25 = evaluate_bm25(dataset, k=max(args.k, args.rerank_depth), drop_self_matches=not args.keep_self_matches)
         evaluations.append(bm25)
     if args.mode != "bm25":
-        encoder = load_encoder(args.model, **overrides)
-        if args.idf == "corpus":
-            if not isinstance(encoder, HILEncoder):
-                raise SystemExit(f"evaluate.py: --idf corpus needs a model with IDF weights (ColBERT-HIL); "
-                                 f"{args.model} is {encoder.architecture}")
-            encoder.set_idf_from_texts(dataset.documents(), source=f"{dataset.name} corpus ({dataset.split})")
-        with torch.inference_mode():
-            evaluation = evaluate_retriever(
-                encoder, dataset, mode=args.mode, k=args.k, index_root=args.index_root, faiss_kind=args.faiss,
-                faiss_params=args.faiss_params, ncandidates=args.ncandidates, rerank_depth=args.rerank_depth,
-                batch_size=args.batch_size, drop_self_matches=not args.keep_self_matches, bm25=bm25,
-                progress=not args.quiet,
-                document_encoding=None if args.encode_documents == "fp32" else args.encode_documents)
-        from hil.retrieval.index import encoder_fingerprint
-
-        models[evaluation.name] = {"source": args.model, "settings": encoder.settings(),
-                                   "fingerprint": encoder_fingerprint(encoder)}
-        evaluations.append(evaluation)
-        for spec in args.transform:
-            with torch.inference_mode():
-                transformed_eval, transformed = evaluate_transformed(
-                    encoder, dataset, spec, mode=args.mode, transform_mode=args.transform_mode,
-                    max_tokens=args.transform_max_tokens, seed=args.seed, index_root=args.index_root,
-                    faiss_kind=args.faiss, faiss_params=args.faiss_params, batch_size=args.batch_size,
-                    progress=not args.quiet, k=args.k, ncandidates=args.ncandidates, rerank_depth=args.rerank_depth,
-                    drop_self_matches=not args.keep_self_matches, bm25=bm25)
-            models[transformed_eval.name] = {"source": args.model, "settings": transformed.settings(),
-                                             "fingerprint": encoder_fingerprint(transformed)}
-            evaluations.append(transformed_eval)
-    elif args.transform:
-        raise SystemExit("evaluate.py: --transform needs a model (not --mode bm25)")
+        model_evaluations, models = evaluate_model(args, dataset, bm25)
+        evaluations += model_evaluations
     statistics = None
     if not args.no_stats and evaluations:
         model_runs = [e.name for e in evaluations if e.name != "bm25"]

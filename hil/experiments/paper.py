@@ -44,7 +44,7 @@ import torch
 
 from hil.analysis.overlap import overlap_shares
 from hil.data.beir import BeirDataset
-from hil.evaluation.pipeline import evaluate_bm25, score_run
+from hil.evaluation.evaluate import Evaluation, EvaluationSettings, evaluate, evaluate_bm25, score_run
 from hil.evaluation.runs import write_trec_run
 from hil.experiments.profiles import CORPUS_IDF, DATASETS, ENSEMBLES, PROFILES, REPO_CONFIGS, VARIANTS, Profile
 from hil.experiments.records import load_dataset, load_results, summarize
@@ -52,9 +52,10 @@ from hil.experiments.report import write_report
 from hil.isotropy.metrics import inter_iso
 from hil.modeling.encoder import CONFIG_NAME
 from hil.modeling.loading import load_encoder
-from hil.provenance import provenance, write_json_atomic
-from hil.retrieval.encoding import encode_document_tokens, eval_mode
-from hil.retrieval.search import concat_batches as _concat_batches, score_documents, top_k
+from hil.provenance import atomic_output, provenance, write_json_atomic
+from hil.modeling.contracts import Encoder
+from hil.retrieval.encoding import eval_mode
+from hil.retrieval.search import rank_matrix
 from hil.retrieval.store import gather_documents
 
 class ExperimentError(RuntimeError):
@@ -118,26 +119,8 @@ def train_variant(name: str, profile: Profile, out: Path, force: bool = False) -
 # -- evaluation ----------------------------------------------------------------------------------------------
 
 def _save_npz_atomic(path: Path, **arrays: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp.npz")
-    np.savez(tmp, **arrays)
-    os.replace(tmp, path)
-
-
-def _rank(dataset: BeirDataset, qids: list[str], doc_ids: list[str], total: np.ndarray, mode: str,
-          candidates: dict[str, list[str]] | None, k: int) -> dict[str, dict[str, float]]:
-    """Top ``k`` per query from a (queries, documents) score matrix: of every document, or of the candidates."""
-    doc_index = {doc: i for i, doc in enumerate(doc_ids)}
-    id_rank = np.argsort(np.argsort(np.array(doc_ids, dtype=object), kind="stable"), kind="stable")
-    every = np.arange(len(doc_ids), dtype=np.int64)
-    run = {}
-    for row, qid in enumerate(qids):
-        docs = every if mode == "full" else np.array([doc_index[d] for d in candidates.get(qid, [])], np.int64)
-        if len(docs) == 0:
-            run[qid] = {}
-            continue
-        best, scores = top_k(total[row, docs], docs, id_rank, k)
-        run[qid] = {doc_ids[d]: float(s) for d, s in zip(best.tolist(), scores.tolist())}
-    return run
+    with atomic_output(path) as tmp, open(tmp, "wb") as handle:
+        np.savez(handle, **arrays)
 
 
 def head_overlap(heads: dict[str, np.ndarray], depth: int) -> dict[str, Any] | None:
@@ -161,7 +144,8 @@ def module_metrics(dataset: BeirDataset, qids: list[str], doc_ids: list[str], he
     """Each module's own ranking quality (its score alone): how much each head contributes (001 Table 4's H)."""
     if len(heads) < 2:
         return None
-    return {head: score_run(head, dataset, _rank(dataset, qids, doc_ids, values, mode, candidates, k)).aggregate
+    restrict = candidates if mode == "rerank" else None
+    return {head: score_run(head, dataset, rank_matrix(values, qids, doc_ids, k, restrict)).aggregate
             for head, values in heads.items()}
 
 
@@ -179,17 +163,28 @@ def backfill_module_metrics(folder: Path, name: str, dataset: BeirDataset, mode:
     write_json_atomic(path, record)
 
 
-def _metrics_record(name: str, dataset: BeirDataset, run: dict[str, dict[str, float]], **extra: Any
-                    ) -> dict[str, Any]:
-    evaluation = score_run(name, dataset, run)
-    return {"model": name, "dataset": dataset.name, "metrics": evaluation.aggregate,
+def _metrics_record(dataset: BeirDataset, evaluation: Evaluation, **extra: Any) -> dict[str, Any]:
+    return {"model": evaluation.name, "dataset": dataset.name, "metrics": evaluation.aggregate,
             "per_query": evaluation.per_query, **extra}
+
+
+def pair_inter_iso(encoder: Encoder, evaluation: Evaluation, pairs: list[tuple[str, str]]) -> dict[str, float]:
+    """Table 3: InterIso (001 Eq. 2) of each head over (query, most relevant document) pairs, from the queries and
+    documents exactly as the evaluation scored them."""
+    scores, store = evaluation.head_scores, evaluation.store
+    row_of = {q: i for i, q in enumerate(scores.qids)}
+    rows = torch.tensor([row_of[q] for q, _ in pairs], dtype=torch.long)
+    docs = gather_documents(store, [store.doc_index[d] for _, d in pairs], heads=encoder.head_names)
+    queries = scores.queries
+    return {head: float(inter_iso(queries.heads[head][rows].float(), docs.heads[head], queries.mask[rows],
+                                  docs.mask).mean()) for head in encoder.head_names}
 
 
 def evaluate_model(name: str, source: str, key: str, dataset: BeirDataset, profile: Profile, out: Path,
                    bm25_candidates: dict[str, list[str]] | None, figures: bool,
                    corpus_idf: bool = False) -> dict[str, Any]:
-    """Encode, score every query against every document, rank, measure; writes ``eval/<key>/<name>.*``.
+    """Score every query against every document (``hil.evaluation.evaluate``, exhaustive, each head's matrix
+    kept), rank (all documents, or BM25's candidates for re-ranking), measure; writes ``eval/<key>/<name>.*``.
 
     ``corpus_idf``: recompute the model's query-term IDF on this dataset's documents first (ColBERT-HIL).
     """
@@ -200,44 +195,26 @@ def evaluate_model(name: str, source: str, key: str, dataset: BeirDataset, profi
     encoder = load_encoder(source)
     if corpus_idf:
         encoder.set_idf_from_texts(dataset.documents(), source=f"{dataset.name} corpus")
-    qids, doc_ids = list(dataset.queries), dataset.doc_ids()
-    timings = {}
+    settings = EvaluationSettings(mode="exhaustive", k=profile.k, index_root=None, keep_head_scores=True,
+                                  batch_size=profile.encode_batch_size, progress=False)
+    candidates = bm25_candidates if mode == "rerank" else None
     with eval_mode(encoder):
-        started = time.perf_counter()
-        store = encode_document_tokens(encoder, dataset.documents(),
-                                       batch_size=profile.encode_batch_size).to_store(doc_ids)
-        timings["encode_s"] = time.perf_counter() - started
-        started = time.perf_counter()
-        texts = [dataset.queries[q] for q in qids]
-        queries = _concat_batches([encoder.encode_queries(texts[i: i + 64]) for i in range(0, len(texts), 64)])
-        every = np.arange(store.n_docs, dtype=np.int64)
-        heads = score_documents(encoder, queries, store, every, by_head=True)
-        total = sum(heads.values()) if len(heads) > 1 else next(iter(heads.values()))
-        # The sum of the heads must be the model's score (HIL: "simply add them together"); checked on a corner.
-        corner = score_documents(encoder, queries.select(slice(0, 4)), store, every[:64])
-        if not np.allclose(corner, total[:4, :64], atol=1e-3, rtol=1e-4):
-            raise ExperimentError(f"{name}: the sum of the head scores is not encoder.score")
-        timings["score_s"] = time.perf_counter() - started
-
+        evaluation = evaluate(encoder, dataset, settings, name=name, candidates=candidates)
         pairs = relevant_pairs(dataset, profile.interiso_pairs, profile.seed)
-        row_of = {q: i for i, q in enumerate(qids)}
-        rows = torch.tensor([row_of[q] for q, _ in pairs], dtype=torch.long)
-        docs = gather_documents(store, [store.doc_index[d] for _, d in pairs], heads=encoder.head_names)
-        interiso = {head: float(inter_iso(queries.heads[head][rows].float(), docs.heads[head],
-                                          queries.mask[rows], docs.mask).mean()) for head in encoder.head_names}
-        extras: dict[str, Any] = {}
-        if figures:
-            extras = figure_data(encoder, name, dataset, pairs[: profile.figure_pairs], folder)
-    run = _rank(dataset, qids, doc_ids, total, mode, bm25_candidates, profile.k)
-    record = _metrics_record(name, dataset, run, source=source, mode=mode, inter_iso=interiso,
+        extras = figure_data(encoder, name, dataset, pairs[: profile.figure_pairs], folder) if figures else {}
+        interiso = pair_inter_iso(encoder, evaluation, pairs)
+    qids, heads, doc_ids = evaluation.head_scores.qids, evaluation.head_scores.heads, dataset.doc_ids()
+    timings = {"encode_s": evaluation.details["index_seconds"], "score_s": evaluation.details["search_seconds"]}
+    record = _metrics_record(dataset, evaluation, source=source, mode=mode, inter_iso=interiso,
                              overlap=head_overlap(heads, profile.overlap_depth),
                              module_metrics=module_metrics(dataset, qids, doc_ids, heads, mode, bm25_candidates,
                                                            profile.k),
                              timings={**timings, "docs_per_s": len(doc_ids) / max(timings["encode_s"], 1e-9)},
-                             n_docs=len(doc_ids), n_tokens=int(store.n_tokens), interiso_pairs=len(pairs), **extras)
+                             n_docs=len(doc_ids), n_tokens=int(evaluation.store.n_tokens), interiso_pairs=len(pairs),
+                             **extras)
     _save_npz_atomic(folder / f"{name}.scores.npz", qids=np.array(qids), doc_ids=np.array(doc_ids),
                      **{f"head_{h}": v for h, v in heads.items()})
-    write_trec_run(folder / f"{name}.trec", run, tag=name)
+    write_trec_run(folder / f"{name}.trec", evaluation.run, tag=name)
     write_json_atomic(folder / f"{name}.json", record)
     return record
 
@@ -272,8 +249,9 @@ def evaluate_ensemble(name: str, members: tuple[str, str], key: str, dataset: Be
             heads[head] = only
         (interiso[head],) = json.loads((folder / f"{member}.json").read_text())["inter_iso"].values()
     total = heads["iso"] + heads["aniso"]
-    run = _rank(dataset, qids, doc_ids, total, mode, bm25_candidates, profile.k)
-    record = _metrics_record(name, dataset, run, source="+".join(members), mode=mode, inter_iso=interiso,
+    run = rank_matrix(total, qids, doc_ids, profile.k, bm25_candidates if mode == "rerank" else None)
+    record = _metrics_record(dataset, score_run(name, dataset, run), source="+".join(members), mode=mode,
+                             inter_iso=interiso,
                              overlap=head_overlap(heads, profile.overlap_depth))
     write_trec_run(folder / f"{name}.trec", run, tag=name)
     write_json_atomic(folder / f"{name}.json", record)
@@ -307,7 +285,7 @@ def run_profile(profile: Profile, out: Path, *, variants: list[str] | None = Non
         else:
             depth = profile.rerank_depth if DATASETS[key][0] == "rerank" else profile.k
             evaluation = evaluate_bm25(dataset, k=max(depth, profile.k))
-            bm25 = _metrics_record("bm25", dataset, evaluation.run, mode="bm25",
+            bm25 = _metrics_record(dataset, evaluation, mode="bm25",
                                    run_top={q: sorted(d, key=d.get, reverse=True)[: profile.rerank_depth]
                                             for q, d in evaluation.run.items()})
             write_trec_run(folder / "bm25.trec", evaluation.run, tag="bm25")

@@ -260,6 +260,52 @@ def exact_rank(encoder: Encoder, index: TokenStore, queries: dict[str, str], k: 
                          "ms_per_query": 1000.0 * total / max(1, len(qids))})
 
 
+def exhaustive_scores(encoder: Encoder, store: TokenStore, queries: dict[str, str], *, batch_size: int = 64,
+                      block_tokens: int = 1 << 14) -> tuple[EncodedBatch, dict[str, np.ndarray], np.ndarray]:
+    """Every query against every stored document, kept dense: the encoded queries, each head's score
+    (``encoder.score_heads``) and the model's score. -> (queries (Q, Lq), head -> (Q, n_docs), (Q, n_docs))
+    float32, rows in ``queries`` order.
+
+    O(Q * n_docs) memory per head: for the small collections of experiments (ColBERT-lambda from its members'
+    matrices, each module's own ranking). The model's score is the sum of its heads' (ColBERT-HIL "simply adds"
+    them, ColBERT-lambda by default); that is checked against ``encoder.score`` on a corner of the matrix, so a
+    model that combines its heads otherwise (a weighted ensemble) is refused rather than ranked wrongly.
+    """
+    _check_heads(encoder, store)
+    _, texts = _query_items(queries)
+    every = np.arange(store.n_docs, dtype=np.int64)
+    with eval_mode(encoder):
+        encoded = concat_batches([encoder.encode_queries(texts[i: i + batch_size])
+                                  for i in range(0, len(texts), batch_size)])
+        heads = score_documents(encoder, encoded, store, every, block_tokens=block_tokens, by_head=True)
+        total = sum(heads.values()) if len(heads) > 1 else next(iter(heads.values()))
+        corner = score_documents(encoder, encoded.select(slice(0, 4)), store, every[:64], block_tokens=block_tokens)
+    if not np.allclose(corner, total[:4, :64], atol=1e-3, rtol=1e-4):
+        raise ValueError(f"{encoder.architecture}: its score is not the sum of its heads' scores (a weighted "
+                         "ensemble?); keep_head_scores needs a model that adds its heads")
+    return encoded, heads, total
+
+
+def rank_matrix(scores: np.ndarray, qids: Sequence[str], doc_ids: Sequence[str], k: int,
+                candidates: dict[str, Sequence[str]] | None = None) -> dict[str, dict[str, float]]:
+    """Top ``k`` per query of a dense (Q, n_docs) score matrix, columns ``doc_ids``: of every document, or,
+    with ``candidates``, of each query's candidates only (a query without any gets an empty ranking)."""
+    doc_index = {doc: i for i, doc in enumerate(doc_ids)}
+    id_rank = np.empty(len(doc_ids), dtype=np.int64)  # position of each id in sorted id order (ties: by id)
+    id_rank[np.argsort(np.array(doc_ids, dtype=str), kind="stable")] = np.arange(len(doc_ids))
+    every = np.arange(len(doc_ids), dtype=np.int64)
+    run: dict[str, dict[str, float]] = {}
+    for row, qid in enumerate(qids):
+        docs = every if candidates is None else np.array([doc_index[d] for d in candidates.get(qid, ())],
+                                                         dtype=np.int64)
+        if len(docs) == 0:
+            run[qid] = {}
+            continue
+        best, best_scores = top_k(scores[row, docs], docs, id_rank, k)
+        run[qid] = {doc_ids[d]: float(s) for d, s in zip(best.tolist(), best_scores.tolist())}
+    return run
+
+
 # -- re-ranking -------------------------------------------------------------------------------------------------
 
 def _unique_in_order(items: Sequence[str]) -> list[str]:

@@ -1,0 +1,239 @@
+"""The one way to evaluate a retriever on a BEIR dataset: ``evaluate(encoder, dataset, EvaluationSettings(...))``.
+
+``evaluate.py``, the analysis report, the paper experiment and the benchmark all call it. Modes:
+
+    full        the index's back-end proposes candidates (FAISS over document tokens, or PLAID centroids), every
+                candidate is scored by exact late interaction, top-k per query (the paper's setting)
+    rerank      exact late interaction over given candidates per query (e.g. BM25's top 100)
+    exhaustive  every query against every document (full ranking without a first-stage approximation); with
+                ``candidates`` only those are ranked; ``keep_head_scores`` keeps each head's dense score matrix
+
+The documents are an index on disk under ``index_root`` (built once, reused while corpus and encoder fingerprints
+match), or, with ``index_root=None`` (rerank and exhaustive only), encoded in memory. BM25, the baseline and the
+usual first stage, is ``evaluate_bm25``. Metrics come from pytrec_eval (``hil.evaluation.metrics``).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from hil.data.beir import BeirDataset
+from hil.data.bm25 import bm25_run
+from hil.evaluation.metrics import DEFAULT_METRICS, evaluate_run
+from hil.modeling.contracts import EncodedBatch, Encoder
+from hil.retrieval.builder import open_or_build_index
+from hil.retrieval.encoding import encode_document_tokens, eval_mode
+from hil.retrieval.index import TokenIndex, encoder_fingerprint
+from hil.retrieval.search import SearchResult, exact_rank, exhaustive_scores, full_rank, rank_matrix, rerank
+from hil.retrieval.store import TokenStore
+
+MODES = ("full", "rerank", "exhaustive")
+Run = dict[str, dict[str, float]]
+
+
+@dataclass(frozen=True)
+class EvaluationSettings:
+    """How a model is evaluated (recorded with its results).
+
+    Args:
+        mode: ``full``, ``rerank`` or ``exhaustive`` (see the module docstring).
+        k: documents ranked per query.
+        metrics, drop_self_matches: what pytrec_eval measures; documents whose id equals the query id are dropped
+            first, as BEIR does.
+        index_root: where indexes live (``<root>/<dataset>-<fp>/<encoder fp>``); None encodes in memory.
+        backend, backend_params: the index's search back-end (``flat``, ``ivfflat``, ``ivfpq``, ``plaid``) and
+            its parameters (``hil.retrieval.backends``).
+        ncandidates: token neighbours per query token (FAISS back-ends; None: the search default).
+        rerank_depth: candidates per query kept from a first stage (``first_stage``).
+        batch_size, query_batch_size: documents / queries per encoding batch.
+        document_encoding: encode the corpus through a cheaper encoder (``"onnx-int8"``, ...; queries keep the
+            model), in an index folder of its own.
+        keep_candidate_sources: record which heads retrieved every first-stage candidate (full mode).
+        keep_head_scores: exhaustive mode: keep each head's dense (queries, documents) score matrix.
+        progress: progress bars.
+    """
+
+    mode: str = "full"
+    k: int = 1000
+    metrics: tuple[str, ...] = tuple(DEFAULT_METRICS)
+    drop_self_matches: bool = True
+    index_root: str | Path | None = "indexes"
+    backend: str = "flat"
+    backend_params: Mapping[str, Any] | None = None
+    ncandidates: int | None = None
+    rerank_depth: int = 100
+    batch_size: int = 32
+    query_batch_size: int = 64
+    document_encoding: str | None = None
+    keep_candidate_sources: bool = False
+    keep_head_scores: bool = False
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES} (got {self.mode!r})")
+        if self.mode == "full" and self.index_root is None:
+            raise ValueError("full ranking searches an index: give index_root")
+        if self.keep_head_scores and self.mode != "exhaustive":
+            raise ValueError("keep_head_scores needs mode='exhaustive' (dense score matrices)")
+        for name in ("k", "rerank_depth", "batch_size", "query_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
+
+
+@dataclass
+class HeadScores:
+    """Each head's score of every query (rows, ``qids``) against every document of ``Evaluation.store``, and the
+    queries as they were encoded for it."""
+
+    qids: list[str]
+    heads: dict[str, np.ndarray]  # head -> (Q, n_docs) float32
+    queries: EncodedBatch         # (Q, Lq)
+
+
+@dataclass
+class Evaluation:
+    name: str
+    run: Run
+    aggregate: dict[str, float]
+    per_query: dict[str, dict[str, float]]
+    details: dict[str, Any] = field(default_factory=dict)
+    head_scores: HeadScores | None = None  # exhaustive mode with keep_head_scores
+    store: TokenStore | None = None        # the documents as scored (an index on disk, or in memory)
+
+
+def score_run(name: str, dataset: BeirDataset, run: Run, metrics: Sequence[str] = DEFAULT_METRICS,
+              drop_self_matches: bool = True, **details: Any) -> Evaluation:
+    """A run measured against the dataset's qrels."""
+    aggregate, per_query = evaluate_run(dataset.qrels, run, metrics, drop_self_matches=drop_self_matches)
+    return Evaluation(name, run, aggregate, per_query, details)
+
+
+def evaluate_bm25(dataset: BeirDataset, k: int = 1000, metrics: Sequence[str] = DEFAULT_METRICS,
+                  drop_self_matches: bool = True) -> Evaluation:
+    """BM25 (``hil.data.bm25``): the baseline row, and the first stage of re-ranking."""
+    started = time.perf_counter()
+    run = bm25_run(dataset, k=k)
+    return score_run("bm25", dataset, run, metrics, drop_self_matches, mode="bm25",
+                     search_seconds=round(time.perf_counter() - started, 3))
+
+
+def first_stage(evaluation: Evaluation, depth: int) -> dict[str, list[str]]:
+    """Each query's top ``depth`` documents of a run (e.g. BM25's), best first: the candidates to re-rank."""
+    return {qid: sorted(docs, key=docs.get, reverse=True)[:depth] for qid, docs in evaluation.run.items()}
+
+
+def run_name(text: str) -> str:
+    """``text`` made safe as a run name (a TREC tag and a file name): runs of other characters become ``_``."""
+    return re.sub(r"[^A-Za-z0-9_.+=-]+", "_", text).strip("_") or "run"
+
+
+def index_dir(root: str | Path, dataset: BeirDataset, encoder: Encoder, document_encoding: str | None = None) -> Path:
+    """Where an encoder's index of a dataset lives: keyed by the corpus and encoder fingerprints."""
+    folder = Path(root) / f"{dataset.name}-{dataset.fingerprint()[:8]}" / encoder_fingerprint(encoder)[:12]
+    return folder.with_name(f"{folder.name}-{document_encoding}") if document_encoding else folder
+
+
+def document_store(encoder: Encoder, dataset: BeirDataset, settings: EvaluationSettings) -> TokenStore:
+    """The corpus as the model scores it: the index under ``settings.index_root`` (built or reused), or encoded
+    in memory (fp16, as an index stores it) when that is None."""
+    if settings.index_root is None:
+        with eval_mode(encoder):
+            tokens = encode_document_tokens(encoder, dataset.documents(), batch_size=settings.batch_size)
+        return tokens.to_store(dataset.doc_ids())
+    quantize = {"quantize": settings.document_encoding} if settings.document_encoding else {}
+    return open_or_build_index(encoder, dataset.doc_ids(), dataset.documents(),
+                               index_dir(settings.index_root, dataset, encoder, settings.document_encoding),
+                               batch_size=settings.batch_size, faiss_kind=settings.backend,
+                               faiss_params=dict(settings.backend_params or {}),
+                               corpus_fingerprint=dataset.fingerprint(), progress=settings.progress, **quantize)
+
+
+def _search(encoder: Encoder, dataset: BeirDataset, store: TokenStore | None, settings: EvaluationSettings,
+            candidates: dict[str, list[str]] | None) -> tuple[SearchResult, HeadScores | None]:
+    queries, k, progress = dataset.queries, settings.k, settings.progress
+    if settings.mode == "full":
+        if not isinstance(store, TokenIndex):
+            raise ValueError("full ranking searches an index on disk (a TokenIndex), not documents held in memory")
+        options = {} if settings.ncandidates is None else {"ncandidates": settings.ncandidates}
+        return full_rank(encoder, store, queries, k=k, progress=progress, batch_size=settings.query_batch_size,
+                         keep_candidate_sources=settings.keep_candidate_sources, **options), None
+    if settings.mode == "rerank":
+        texts = None if store is not None else {doc_id: dataset.doc_text(doc_id) for docs in candidates.values()
+                                                for doc_id in docs}
+        return rerank(encoder, store, queries, candidates, texts, k=k, batch_size=settings.query_batch_size,
+                      doc_batch_size=settings.batch_size, progress=progress), None
+    if not settings.keep_head_scores and candidates is None:
+        return exact_rank(encoder, store, queries, k=k, batch_size=settings.query_batch_size,
+                          progress=progress), None
+    encoded, heads, total = exhaustive_scores(encoder, store, queries, batch_size=settings.query_batch_size)
+    qids = list(queries)
+    result = SearchResult(rank_matrix(total, qids, store.doc_ids, k, candidates), {qid: {} for qid in qids},
+                          {"n_queries": len(qids), "k": k, "candidates_mean": float(store.n_docs)})
+    return result, HeadScores(qids, heads, encoded) if settings.keep_head_scores else None
+
+
+def evaluate(encoder: Encoder, dataset: BeirDataset, settings: EvaluationSettings = EvaluationSettings(), *,
+             name: str | None = None, candidates: dict[str, list[str]] | None = None,
+             store: TokenStore | None = None) -> Evaluation:
+    """Evaluate ``encoder`` on ``dataset`` as ``settings`` say (see the module docstring).
+
+    ``candidates`` (qid -> document ids, e.g. ``first_stage(evaluate_bm25(dataset), depth)``) are what ``rerank``
+    scores and what ``exhaustive`` ranks among; ``store`` evaluates over documents already indexed (else the
+    index is built or reused, or the corpus encoded in memory). ``name`` defaults to ``<architecture>-<mode>``.
+    """
+    if settings.mode == "rerank" and candidates is None:
+        raise ValueError("mode='rerank' needs candidates (e.g. first_stage(evaluate_bm25(dataset), depth))")
+    started = time.perf_counter()
+    if store is None and not (settings.mode == "rerank" and settings.index_root is None):
+        store = document_store(encoder, dataset, settings)
+    index_seconds = time.perf_counter() - started
+    started = time.perf_counter()
+    result, head_scores = _search(encoder, dataset, store, settings, candidates)
+    search_seconds = time.perf_counter() - started
+    details: dict[str, Any] = {"mode": settings.mode, "index_seconds": round(index_seconds, 3),
+                               "search_seconds": round(search_seconds, 3), "search_stats": result.stats,
+                               "sources": result.sources}
+    if isinstance(store, TokenIndex):
+        details.update(index_dir=str(store.directory), document_encoding=store.meta.get("document_encoding"))
+    evaluation = score_run(name or f"{encoder.architecture}-{settings.mode}", dataset, result.run, settings.metrics,
+                           settings.drop_self_matches, **details)
+    evaluation.head_scores, evaluation.store = head_scores, store
+    return evaluation
+
+
+def evaluate_transformed(encoder: Encoder, dataset: BeirDataset, spec: str,
+                         settings: EvaluationSettings = EvaluationSettings(), *, transform_mode: str = "token",
+                         max_tokens: int = 200_000, max_docs: int = 20_000, seed: int = 0, name: str | None = None,
+                         candidates: dict[str, list[str]] | None = None) -> tuple[Evaluation, Encoder]:
+    """Evaluate ``encoder`` with the post-hoc transform ``spec`` (e.g. ``"whitening"``, ``"whitening:k=64"``).
+
+    The base index is built (or reused); the transform is fitted on its stored document vectors
+    (``transform_mode`` token-wise or sequence-wise, seeded sample); a derived index holds the transformed vectors
+    and the fitted ``transform_<head>.pt`` files; then the transformed encoder is evaluated over it.
+    Returns the evaluation and the :class:`~hil.retrieval.transformed.TransformedEncoder`.
+    """
+    from hil.retrieval.transformed import fit_transformed_encoder, open_or_derive_index
+
+    if settings.index_root is None:
+        raise ValueError("a post-hoc transform is fitted on an index's stored vectors: give index_root")
+    base = document_store(encoder, dataset, replace(settings, document_encoding=None))
+    started = time.perf_counter()
+    transformed = fit_transformed_encoder(encoder, spec, store=base, mode=transform_mode, max_tokens=max_tokens,
+                                          max_docs=max_docs, seed=seed)
+    fit_seconds = time.perf_counter() - started
+    derived = open_or_derive_index(base, transformed, index_dir(settings.index_root, dataset, transformed),
+                                   faiss_kind=settings.backend, faiss_params=dict(settings.backend_params or {}),
+                                   progress=settings.progress)
+    evaluation = evaluate(transformed, dataset, settings, candidates=candidates, store=derived,
+                          name=name or run_name(f"{encoder.architecture}+{spec}-{transform_mode}-{settings.mode}"))
+    evaluation.details["transform"] = {**transformed.transform_settings(), "fit_seconds": round(fit_seconds, 3),
+                                       "base_index_dir": str(base.directory), "index_dir": str(derived.directory),
+                                       "files": sorted(p.name for p in derived.directory.glob("transform_*.pt"))}
+    return evaluation, transformed

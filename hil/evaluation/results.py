@@ -1,0 +1,141 @@
+"""What evaluations leave behind: statistics between runs, ``metrics.json`` / per-query / TREC files, printed tables.
+
+``evaluation_statistics`` gives bootstrap intervals per run and paired tests between runs (``hil.evaluation.
+statistics``) and the BM25-Easy split; ``write_results`` records them with the settings, versions and fingerprints
+that made them (DESIGN: settings travel with artifacts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from hil.data.beir import BeirDataset
+from hil.evaluation.evaluate import Evaluation
+from hil.evaluation.metrics import DEFAULT_METRICS
+from hil.evaluation.runs import write_trec_run
+from hil.evaluation.statistics import (bm25_easy_split, bootstrap_ci, paired_bootstrap_test, paired_permutation_test,
+                                       paired_t_test)
+from hil.provenance import provenance, write_json_atomic
+
+
+def evaluation_statistics(evaluations: Sequence[Evaluation], *, metrics: Sequence[str] = ("ndcg@10",),
+                          pairs: Sequence[tuple[str, str]] | None = None, n_bootstrap: int = 1000,
+                          n_permutations: int = 10000, confidence: float = 0.95, seed: int = 0) -> dict[str, Any]:
+    """Bootstrap CIs per run and metric, paired tests between runs, and the BM25-Easy split (when BM25 ran).
+
+    ``bootstrap``: 004 Section 2.1 percentile intervals of the mean per-query metric (m = ``n_bootstrap``
+    samples of all queries). ``paired``: for each (a, b) in ``pairs`` (default: every run against the first, e.g.
+    the model vs BM25) the paired t-test, the paired permutation test and the paired bootstrap test of ``a - b``
+    on each metric (001 Table 2's dagger). ``bm25_easy``: 001 Table 4, each run's mean on the queries in the top
+    half of BM25's per-query nDCG@10 and on the rest. Metrics a run lacks per query are skipped.
+    """
+    by_name = {e.name: e for e in evaluations}
+
+    result: dict[str, Any] = {"confidence": confidence, "n_bootstrap": n_bootstrap,
+                              "n_permutations": n_permutations, "seed": seed, "bootstrap": {}, "paired": []}
+    for evaluation in evaluations:
+        rows = {}
+        for metric in metrics:
+            per_query = _metric_values(evaluation, metric)
+            if per_query:
+                rows[metric] = asdict(bootstrap_ci(per_query, n_samples=n_bootstrap, confidence=confidence, seed=seed))
+        result["bootstrap"][evaluation.name] = rows
+    if pairs is None:
+        pairs = [(e.name, evaluations[0].name) for e in evaluations[1:]]
+    for a, b in pairs:
+        if a not in by_name or b not in by_name:
+            raise KeyError(f"evaluation_statistics: no run named {a if a not in by_name else b!r}; "
+                           f"runs: {sorted(by_name)}")
+        for metric in metrics:
+            va, vb = _metric_values(by_name[a], metric), _metric_values(by_name[b], metric)
+            if not va or not vb:
+                continue
+            t = paired_t_test(va, vb, on="intersection")
+            perm = paired_permutation_test(va, vb, n_permutations=n_permutations, seed=seed, on="intersection")
+            boot = paired_bootstrap_test(va, vb, n_samples=n_bootstrap, seed=seed, confidence=confidence,
+                                         on="intersection")
+            shared = sorted(set(va) & set(vb))
+            result["paired"].append({"a": a, "b": b, "metric": metric, "n": t.n,
+                                     "mean_a": float(np.mean([va[q] for q in shared])),
+                                     "mean_b": float(np.mean([vb[q] for q in shared])), "mean_diff": t.mean_diff,
+                                     "t": t.statistic, "p_t_test": t.p_value, "p_permutation": perm.p_value,
+                                     "permutation_method": perm.method, "p_bootstrap": boot.p_value,
+                                     "diff_ci": list(boot.ci) if boot.ci else None})
+    bm25 = next((e for e in evaluations if e.name == "bm25"), None)
+    if bm25 is not None and _metric_values(bm25, "ndcg@10"):
+        result["bm25_easy"] = _bm25_easy(evaluations, bm25, metrics)
+    return result
+
+
+def _metric_values(evaluation: Evaluation, metric: str) -> dict[str, float] | None:
+    found = {qid: row[metric] for qid, row in evaluation.per_query.items() if metric in row}
+    return found or None
+
+
+def _bm25_easy(evaluations: Sequence[Evaluation], bm25: Evaluation, metrics: Sequence[str]) -> dict[str, Any]:
+    """001 Table 4: each run's mean on the queries in the top half of BM25's per-query nDCG@10, and on the rest."""
+    easy = bm25_easy_split(_metric_values(bm25, "ndcg@10"))
+    split: dict[str, Any] = {"n_easy": len(easy), "n_hard": len(bm25.per_query) - len(easy), "runs": {}}
+    for evaluation in evaluations:
+        rows = {}
+        for metric in metrics:
+            per_query = _metric_values(evaluation, metric)
+            if not per_query:
+                continue
+            in_easy = [v for q, v in per_query.items() if q in easy]
+            in_hard = [v for q, v in per_query.items() if q not in easy]
+            rows[metric] = {"easy": float(np.mean(in_easy)) if in_easy else None,
+                            "hard": float(np.mean(in_hard)) if in_hard else None}
+        split["runs"][evaluation.name] = rows
+    return split
+
+
+def format_statistics(statistics: dict[str, Any]) -> str:
+    """A plain-text summary of :func:`evaluation_statistics` (intervals, then paired tests)."""
+    lines = [f"bootstrap {100 * statistics['confidence']:.0f}% intervals ({statistics['n_bootstrap']} samples)"]
+    for name, rows in statistics["bootstrap"].items():
+        for metric, row in rows.items():
+            lines.append(f"  {name:<40} {metric:<12} {row['observed']:.4f}  [{row['low']:.4f}, {row['high']:.4f}]")
+    if statistics["paired"]:
+        lines.append("paired tests (a - b)")
+        for row in statistics["paired"]:
+            lines.append(f"  {row['a']} vs {row['b']} {row['metric']}: diff {row['mean_diff']:+.4f} "
+                         f"t-test p={row['p_t_test']:.3g} permutation p={row['p_permutation']:.3g} "
+                         f"bootstrap p={row['p_bootstrap']:.3g} (n={row['n']})")
+    return "\n".join(lines)
+
+
+def write_results(directory: str | Path, dataset: BeirDataset, evaluations: list[Evaluation],
+                  settings: dict[str, Any], models: dict[str, Any],
+                  statistics: dict[str, Any] | None = None) -> Path:
+    """``metrics.json`` (settings, versions, dataset/model fingerprints, aggregates, optional statistics),
+    per-query JSON, TREC runs."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    for evaluation in evaluations:
+        write_trec_run(directory / f"{evaluation.name}.trec", evaluation.run, tag=evaluation.name)
+    write_json_atomic(directory / "per_query.json", {e.name: e.per_query for e in evaluations})
+    record = provenance(settings,
+                        dataset={"name": dataset.name, "split": dataset.split, "source": dataset.source,
+                                 "fingerprint": dataset.fingerprint(), "documents": len(dataset.corpus),
+                                 "queries": len(dataset.queries)},
+                        models=models,
+                        results={e.name: {"metrics": e.aggregate,
+                                          **{k: v for k, v in e.details.items() if k != "sources"}}
+                                 for e in evaluations},
+                        **({"statistics": statistics} if statistics is not None else {}))
+    write_json_atomic(directory / "metrics.json", record)
+    return directory / "metrics.json"
+
+
+def format_table(evaluations: list[Evaluation], metrics=DEFAULT_METRICS) -> str:
+    names = [m.lower() for m in metrics]
+    width = max(len(e.name) for e in evaluations) + 2
+    lines = ["model".ljust(width) + "".join(f"{m:>13}" for m in names)]
+    for e in evaluations:
+        lines.append(e.name.ljust(width) + "".join(f"{e.aggregate[m]:>13.4f}" for m in names))
+    return "\n".join(lines)
