@@ -12,28 +12,38 @@ gives NaN (reported, not hidden).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from hil.data.tokenization import ColBERTTokenizer
 from hil.isotropy.metrics import inter_iso
+from hil.modeling.contracts import Encoder
+from hil.modeling.encoder import MultiVectorEncoder
+from hil.modeling.ensemble import EnsembleEncoder
+from hil.retrieval.transformed import TransformedEncoder
 
 
-def backbones(encoder: Any) -> dict[str, tuple[torch.nn.Module, Any]]:
-    """The transformer backbone(s) of an encoder and the tokenizer feeding each: ``{"": ...}`` for one backbone,
-    ``{"iso": ..., "aniso": ...}`` for a ColBERT-lambda ensemble. A post-hoc transform does not change them."""
-    inner = getattr(encoder, "inner", encoder)  # TransformedEncoder -> the wrapped model
-    members = getattr(inner, "members", None)
-    if members is not None:
-        return {name: (member.backbone, member.tokenizer) for name, member in members.items()}
-    if not hasattr(inner, "backbone"):
-        raise TypeError(f"{type(inner).__name__} has no backbone to analyse")
-    return {"": (inner.backbone, inner.tokenizer)}
+def backbone_models(encoder: Encoder) -> dict[str, MultiVectorEncoder]:
+    """The model(s) holding a transformer backbone behind an encoder: ``{"": model}``, or ``{"iso": ...,
+    "aniso": ...}`` for a ColBERT-lambda ensemble. A post-hoc transform does not change the backbone."""
+    if isinstance(encoder, TransformedEncoder):
+        encoder = encoder.inner
+    if isinstance(encoder, EnsembleEncoder):
+        return dict(encoder.members.items())
+    if not isinstance(encoder, MultiVectorEncoder):
+        raise TypeError(f"{type(encoder).__name__} has no backbone to analyse")
+    return {"": encoder}
 
 
-def layer_inter_iso(backbone: torch.nn.Module, tokenizer: Any, query_texts: Sequence[str],
+def backbones(encoder: Encoder) -> dict[str, tuple[torch.nn.Module, ColBERTTokenizer]]:
+    """The transformer backbone(s) of an encoder and the tokenizer feeding each (see :func:`backbone_models`)."""
+    return {name: (model.backbone, model.tokenizer) for name, model in backbone_models(encoder).items()}
+
+
+def layer_inter_iso(backbone: torch.nn.Module, tokenizer: ColBERTTokenizer, query_texts: Sequence[str],
                     doc_texts: Sequence[str], *, batch_size: int = 16) -> np.ndarray:
     """Mean InterIso of normalized hidden states at every layer over the paired texts. -> (n_layers + 1,)"""
     if len(query_texts) != len(doc_texts) or not query_texts:
@@ -59,7 +69,7 @@ def layer_inter_iso(backbone: torch.nn.Module, tokenizer: Any, query_texts: Sequ
     return totals / len(query_texts)
 
 
-def encoder_layer_inter_iso(encoder: Any, query_texts: Sequence[str], doc_texts: Sequence[str], *,
+def encoder_layer_inter_iso(encoder: Encoder, query_texts: Sequence[str], doc_texts: Sequence[str], *,
                             label: str = "model", batch_size: int = 16) -> dict[str, np.ndarray]:
     """:func:`layer_inter_iso` of every backbone of ``encoder``: ``{label: curve}`` or ``{label/iso: ..., ...}``."""
     return {(f"{label}/{name}" if name else label): layer_inter_iso(backbone, tokenizer, query_texts, doc_texts,

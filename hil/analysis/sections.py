@@ -36,7 +36,7 @@ from hil.analysis.vocab import load_mlm_head, project_pairs, summarize_projectio
 from hil.evaluation.evaluate import Evaluation
 from hil.evaluation.results import evaluation_statistics
 from hil.evaluation.runs import ranked
-from hil.evaluation.statistics import bootstrap_thresholds, overlap_coe_roe, threshold_analysis
+from hil.evaluation.score_distributions import bootstrap_thresholds, overlap_coe_roe, threshold_analysis
 from hil.retrieval.store import TokenStore
 from hil.retrieval.transformed import sample_token_vectors
 

@@ -15,7 +15,7 @@ report, so that every model is measured on the same pairs).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -24,6 +24,7 @@ from torch import Tensor
 
 from hil.evaluation.runs import ranked
 from hil.isotropy.metrics import avg_cos, isoscore, masked_tokens, partition_isotropy
+from hil.modeling.contracts import Encoder
 from hil.modeling.scoring import masked_max
 from hil.retrieval.encoding import eval_mode
 
@@ -75,7 +76,7 @@ def pair_cosines(queries: Tensor, docs: Tensor, query_mask: Tensor, doc_mask: Te
     return values, best[keep]
 
 
-def token_cosines(encoder: Any, query_texts: Sequence[str], doc_texts: Sequence[str], *,
+def token_cosines(encoder: Encoder, query_texts: Sequence[str], doc_texts: Sequence[str], *,
                   batch_size: int = 16) -> TokenCosines:
     """Query-document token cosines of each head for the paired texts (query i with document i); HIL Fig. 2."""
     if len(query_texts) != len(doc_texts):
@@ -95,7 +96,7 @@ def token_cosines(encoder: Any, query_texts: Sequence[str], doc_texts: Sequence[
                         len(query_texts))
 
 
-def query_token_vectors(encoder: Any, texts: Sequence[str], *, batch_size: int = 64) -> dict[str, Tensor]:
+def query_token_vectors(encoder: Encoder, texts: Sequence[str], *, batch_size: int = 64) -> dict[str, Tensor]:
     """Every scored query token vector of each head, as the model scores them. -> head -> (T, D) fp32"""
     parts: dict[str, list[Tensor]] = {head: [] for head in encoder.head_names}
     with eval_mode(encoder):

@@ -13,17 +13,18 @@ the run (the same scores).
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Mapping
 
 import numpy as np
 
 from hil.evaluation.runs import ranked
+from hil.modeling.contracts import Encoder
 from hil.retrieval.encoding import eval_mode
 from hil.retrieval.search import score_documents
 from hil.retrieval.store import TokenStore
 
 
-def similarity_sets(encoder: Any, store: TokenStore, queries: Mapping[str, str],
+def similarity_sets(encoder: Encoder, store: TokenStore, queries: Mapping[str, str],
                     qrels: Mapping[str, Mapping[str, int]], run: Mapping[str, Mapping[str, float]], *, k: int = 5,
                     seed: int = 0, batch_size: int = 32
                     ) -> tuple[dict[str, list[float]], dict[str, list[float]], dict[str, list[float]]]:

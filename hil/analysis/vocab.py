@@ -31,6 +31,9 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from hil.analysis.layers import backbone_models
+from hil.modeling.contracts import Encoder
+from hil.modeling.encoder import MultiVectorEncoder
 from hil.paths import resolve_model
 
 COVERAGE_KS = (1, 5, 10, 20, 100)
@@ -58,13 +61,9 @@ class MLMHead:
     vocab_size: int
 
 
-def _candidate_sources(encoder: Any) -> list[str]:
+def _candidate_sources(model: MultiVectorEncoder) -> list[str]:
     """Where the backbone's MLM head may be: the backbone source, then (for an export) the backbone it came from."""
-    inner = getattr(encoder, "inner", encoder)
-    members = getattr(inner, "members", None)
-    if members is not None:
-        inner = next(iter(members.values()))
-    sources = [str(getattr(inner, "backbone_name", ""))]
+    sources = [str(model.backbone_name)]
     config = Path(sources[0]) / "hil_config.json"
     if config.is_file():
         import json
@@ -76,20 +75,19 @@ def _candidate_sources(encoder: Any) -> list[str]:
     return [s for s in dict.fromkeys(sources) if s]
 
 
-def load_mlm_head(encoder: Any) -> tuple[MLMHead | None, str]:
-    """The MLM head of the model the encoder's backbone was initialized from, or (None, why not)."""
+def load_mlm_head(encoder: Encoder) -> tuple[MLMHead | None, str]:
+    """The MLM head of the model the encoder's backbone was initialized from (an ensemble's first member's), or
+    (None, why not)."""
     from transformers import AutoModelForMaskedLM
     from transformers.utils import logging as hf_logging
 
-    inner = getattr(encoder, "inner", encoder)
-    members = getattr(inner, "members", None)
-    backbone = next(iter(members.values())).backbone if members is not None else inner.backbone
-    hidden = int(backbone.config.hidden_size)
+    model = next(iter(backbone_models(encoder).values()))
+    hidden = int(model.backbone.config.hidden_size)
     reasons = []
     previous = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
-        for source in _candidate_sources(encoder):
+        for source in _candidate_sources(model):
             try:
                 model, info = AutoModelForMaskedLM.from_pretrained(resolve_model(source), output_loading_info=True)
             except (OSError, ValueError, KeyError) as error:

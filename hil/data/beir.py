@@ -39,11 +39,13 @@ import re
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Iterable, Iterator, Mapping
+from typing import IO, Any, Callable, Iterable, Iterator, Mapping, TypeVar
 
 from hil.data.errors import DataFormatError
 from hil.paths import DATA_DIR_ENV, resolve_dataset
 from hil.provenance import fingerprint_strings
+
+V = TypeVar("V")
 
 _BOM = b"\xef\xbb\xbf"
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -131,38 +133,35 @@ def _checked_text(path: Path, line: int | None, record: Mapping[str, Any], name:
     return value
 
 
-def _records_to_corpus(path: Path, records: Iterable[tuple[int, Mapping[str, Any]]]) -> dict[str, dict[str, str]]:
-    corpus: dict[str, dict[str, str]] = {}
+def _records_by_id(path: Path, records: Iterable[tuple[int, Mapping[str, Any]]], what: str,
+                   value: Callable[[int, Mapping[str, Any]], V]) -> dict[str, V]:
+    """``{_id: value(line, record)}`` of JSON records: every ``_id`` present, valid and unique, at least one."""
+    found: dict[str, V] = {}
     first_line: dict[str, int] = {}
     for line, record in records:
         if "_id" not in record:
             raise DataFormatError(path, line, "missing field '_id'")
-        doc_id = _checked_id(path, line, record["_id"])
-        if doc_id in corpus:
-            raise DataFormatError(path, line, f"duplicate _id {doc_id!r} (first on line {first_line[doc_id]})")
-        text = _checked_text(path, line, record, "text", required=True)
-        title = _checked_text(path, line, record, "title", required=False)
-        corpus[doc_id] = {"title": title, "text": text}
-        first_line[doc_id] = line
-    if not corpus:
-        raise DataFormatError(path, None, "no documents")
-    return corpus
+        record_id = _checked_id(path, line, record["_id"])
+        if record_id in found:
+            raise DataFormatError(path, line, f"duplicate _id {record_id!r} (first on line {first_line[record_id]})")
+        found[record_id] = value(line, record)
+        first_line[record_id] = line
+    if not found:
+        raise DataFormatError(path, None, f"no {what}")
+    return found
+
+
+def _records_to_corpus(path: Path, records: Iterable[tuple[int, Mapping[str, Any]]]) -> dict[str, dict[str, str]]:
+    def document(line: int, record: Mapping[str, Any]) -> dict[str, str]:
+        text = _checked_text(path, line, record, "text", required=True)  # the required field is checked first
+        return {"title": _checked_text(path, line, record, "title", required=False), "text": text}
+
+    return _records_by_id(path, records, "documents", document)
 
 
 def _records_to_queries(path: Path, records: Iterable[tuple[int, Mapping[str, Any]]]) -> dict[str, str]:
-    queries: dict[str, str] = {}
-    first_line: dict[str, int] = {}
-    for line, record in records:
-        if "_id" not in record:
-            raise DataFormatError(path, line, "missing field '_id'")
-        query_id = _checked_id(path, line, record["_id"])
-        if query_id in queries:
-            raise DataFormatError(path, line, f"duplicate _id {query_id!r} (first on line {first_line[query_id]})")
-        queries[query_id] = _checked_text(path, line, record, "text", required=True)
-        first_line[query_id] = line
-    if not queries:
-        raise DataFormatError(path, None, "no queries")
-    return queries
+    return _records_by_id(path, records, "queries",
+                          lambda line, record: _checked_text(path, line, record, "text", required=True))
 
 
 def read_corpus_jsonl(path: str | os.PathLike) -> dict[str, dict[str, str]]:

@@ -219,7 +219,7 @@ def evaluate_model(name: str, source: str, key: str, dataset: BeirDataset, profi
     return record
 
 
-def figure_data(encoder: Any, name: str, dataset: BeirDataset, pairs: list[tuple[str, str]],
+def figure_data(encoder: Encoder, name: str, dataset: BeirDataset, pairs: list[tuple[str, str]],
                 folder: Path) -> dict[str, Any]:
     """Fig. 2 token cosines (saved to ``<name>.cosines.npz``) and Fig. 5 InterIso per layer of each backbone."""
     from hil.analysis.layers import encoder_layer_inter_iso
