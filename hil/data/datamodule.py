@@ -6,6 +6,7 @@ depends on a model and a checkpoint always tokenizes the way it was trained.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
@@ -236,7 +237,9 @@ class TriplesDataModule(pl.LightningDataModule):
         sampler = EpochShuffleSampler(len(self.train_dataset), self.hparams.seed, self.hparams.shuffle,
                                       num_replicas=world.get("num_replicas"), rank=world.get("rank"))
         # A generator of its own keeps the loader from drawing on the global torch RNG.
-        return StatefulDataLoader(self.train_dataset, batch_size=self.hparams.batch_size, sampler=sampler,
-                                  collate_fn=collate_triples, num_workers=self.hparams.num_workers,
-                                  persistent_workers=self.hparams.num_workers > 0,
-                                  generator=torch.Generator().manual_seed(0))
+        with warnings.catch_warnings():  # torchdata 0.11 calls a torch telemetry hook torch 2.13 deprecates
+            warnings.filterwarnings("ignore", message=".*set_vital.*")
+            return StatefulDataLoader(self.train_dataset, batch_size=self.hparams.batch_size, sampler=sampler,
+                                      collate_fn=collate_triples, num_workers=self.hparams.num_workers,
+                                      persistent_workers=self.hparams.num_workers > 0,
+                                      generator=torch.Generator().manual_seed(0))
