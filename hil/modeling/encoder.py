@@ -1,8 +1,8 @@
 """Multi-vector encoders: a Hugging Face backbone, one or more linear heads, L2-normalized token embeddings.
 
 ``ColBERTEncoder`` is ColBERT v1: ``normalize(W h_i)`` for each last-hidden-state vector ``h_i`` (no bias, as
-the original). Every encoder exposes the same small surface so that training, indexing and search do not care
-which model they hold: ``head_names``, ``encode_queries``, ``encode_documents`` and ``score``.
+the original). Every encoder implements the ``Encoder`` contract (``hil.modeling.contracts``), so training,
+indexing and search do not care which model they hold.
 """
 
 from __future__ import annotations
