@@ -127,12 +127,11 @@ class RetrieverModule(pl.LightningModule):
 
     def training_step(self, batch: dict[str, list[str]], batch_idx: int) -> Tensor:
         loss, parts = self.compute_loss(batch)
-        self.loss_parts = parts
-        if bool(torch.isfinite(loss.detach())):  # a non-finite step is the guard's business, not the logs'
-            batch_size = len(batch["queries"])
-            self.log("train/loss", loss, on_step=True, prog_bar=True, batch_size=batch_size)
-            for name, value in parts.items():
-                self.log(f"train/{name}", value, on_step=True, batch_size=batch_size)
+        self.loss_parts = parts  # what the non-finite guard reports (the module itself never syncs on the loss)
+        batch_size = len(batch["queries"])
+        self.log("train/loss", loss, on_step=True, prog_bar=True, batch_size=batch_size)
+        for name, value in parts.items():
+            self.log(f"train/{name}", value, on_step=True, batch_size=batch_size)
         return loss
 
     def configure_optimizers(self) -> dict[str, Any]:
