@@ -44,7 +44,6 @@ class StepReseed(pl.Callback):
     """
 
     def __init__(self, seed: int | None = None):
-        self.seed = seed
         self.base_seed: int | None = seed
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
