@@ -24,6 +24,8 @@ pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[1]
 VARIANTS = sorted(p.stem for p in (REPO / "configs" / "variants").glob("*.yaml"))
 CONFIGS = ["colbert", *VARIANTS]  # the base config alone is ColBERT
+AUTHORS = [name for name in VARIANTS if name.endswith("_authors")]  # issue 13: the HIL authors' released recipes
+LEGACY = [name for name in CONFIGS if name not in AUTHORS]           # the configs 21203ed had
 # `train.py fit --config <config> [--config <preset>] --print_config` of every config as main resolved it at commit
 # 21203ed, before configs became a base plus deltas (each variant then a full copy of configs/colbert.yaml).
 BEFORE = json.loads((REPO / "tests" / "fixtures" / "print_config_21203ed.json").read_text())
@@ -61,7 +63,12 @@ def as_before(new: dict) -> dict:
     new = copy.deepcopy(new)
     model, data = new.pop("model"), new.pop("data")
     assert new.pop("step_reseed") == {"seed": None}
+    # Deliberate changes since (issue 13, ColBERT v1's conventions): clipping at 2.0, [MASK] padding not attended,
+    # BERT-style head init. Checked here, then set back to what 21203ed had.
+    assert new["trainer"]["gradient_clip_val"] == 2.0
+    new["trainer"]["gradient_clip_val"] = None
     encoder = model["encoder"]
+    assert encoder["init_args"]["attend_to_mask_tokens"] is False and encoder["init_args"]["head_init"] == "bert"
     old = {k: encoder["init_args"][k] for k in ("backbone", "dim", "query_maxlen", "doc_maxlen", "query_marker",
                                                  "doc_marker", "mask_punctuation")}
     optimizer, schedule = model["optimizer"], model["lr_scheduler"]
@@ -102,16 +109,33 @@ def test_print_config_resolves_every_variant_as_before(key):
 
 
 def test_variant_configs_are_short_deltas():
-    assert set(BEFORE) == {f"{name}{suffix}" for name in CONFIGS for suffix in ("", "+cpu", "+smoke")}
+    assert set(BEFORE) == {f"{name}{suffix}" for name in LEGACY for suffix in ("", "+cpu", "+smoke")}
     for name in VARIANTS:
         lines = [line for line in (REPO / "configs" / "variants" / f"{name}.yaml").read_text().splitlines()
                  if line.strip() and not line.lstrip().startswith("#")]
         assert len(lines) <= 15, (name, len(lines))
 
 
+def test_authors_configs_select_the_released_code():
+    """docs/fidelity.md's "authors' code" column, as the CLI resolves it."""
+    model = print_config(config_args("colbert_hil_authors"))["model"]
+    assert model["loss"] == {"class_path": "hil.modeling.losses.HILAuthorsLoss", "init_args": {"reg_weight": -0.3}}
+    settings = model["encoder"]["init_args"]
+    assert {k: settings[k] for k in ("query_maxlen", "doc_maxlen", "lexical_input", "idf_formula",
+                                     "lexical_query_tokens", "zscore_std", "zscore_eval", "attend_to_mask_tokens")} == {
+        "query_maxlen": 300, "doc_maxlen": 300, "lexical_input": "embedding_output", "idf_formula": "authors",
+        "lexical_query_tokens": "all", "zscore_std": "unbiased", "zscore_eval": "per_query",
+        "attend_to_mask_tokens": False}
+    assert print_config(config_args("colbert_hil_authors"))["data"]["idf_source"] == "train_queries"
+    for name, weight in (("colbert_iso_authors", 0.4), ("colbert_aniso_authors", -0.1)):
+        regularizer = print_config(config_args(name))["model"]["regularizer"]
+        assert regularizer["class_path"] == "hil.isotropy.regularizers.ConditionalIsotropyRegularizer"
+        assert regularizer["init_args"]["weight"] == weight
+
+
 def test_every_paper_variant_has_its_settings():
     assert set(PAPER_LAMBDAS) | set(HIL_ABLATIONS) <= set(VARIANTS)
-    for name in CONFIGS:
+    for name in LEGACY:
         args = as_before(print_config(config_args(name)))["model"]["init_args"]
         assert (args["query_maxlen"], args["doc_maxlen"], args["lr"], args["dim"]) == (32, 180, 3e-6, 128), name
     for name, (kind, lam) in PAPER_LAMBDAS.items():
@@ -161,7 +185,7 @@ def test_config_trains_exports_and_evaluates(name, trained, scifact_slice, tmp_p
     encoder = load_encoder(trained(name))
     settings = encoder.settings()
     assert (settings["query_maxlen"], settings["doc_maxlen"]) == (16, 48)  # the smoke preset applied on top
-    if name in HIL_ABLATIONS:
+    if name in HIL_ABLATIONS or name == "colbert_hil_authors":
         assert encoder.head_names == ("L", "H")
         assert encoder.has_idf, "IDF is computed at setup and exported with the model"
         assert int(encoder.zscore["L"].updates) == 2
@@ -215,3 +239,16 @@ def test_evaluate_cli_encodes_documents_with_onnx_int8(trained, tmp_path):
     assert int8["document_encoding"]["quantize"] == "onnx-int8"
     assert int8["index_dir"] != fp32["index_dir"] and int8["index_dir"].endswith("-onnx-int8")
     assert abs(int8["metrics"]["ndcg@10"] - fp32["metrics"]["ndcg@10"]) < 0.05
+
+
+def test_diagnostic_deltas_change_one_setting_of_the_model_they_stack_on():
+    """configs/variants/diagnostics/*.yaml, stacked after colbert_hil.yaml as the paper experiment does."""
+    from hil.experiments.profiles import PROFILES
+
+    profile = PROFILES["smoke"]
+    paper = print_config(profile.config_args("hil")[:-2])["model"]["encoder"]["init_args"]
+    changed = {"hil_detach_h": {"zscore_detach": ["H"]}, "hil_fixed_temperature": {"zscore_temperature": 1.0},
+               "hil_attend_mask": {"attend_to_mask_tokens": True}}
+    for name, expected in changed.items():
+        args = print_config(profile.config_args(name)[:-2])["model"]["encoder"]["init_args"]
+        assert {k: v for k, v in args.items() if paper.get(k) != v} == expected, name

@@ -14,8 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hil.data.beir import (BeirDataset, drop_self_matches, load_beir, load_collection_tsv, load_dl19_pool,
-                           load_topics_tsv, load_trec_qrels, read_corpus_jsonl, read_qrels_tsv, read_queries_jsonl)
+from hil.data.beir import (BeirDataset, drop_self_matches, load_beir, load_collection_tsv, load_topics_tsv,
+                           load_trec_qrels, read_corpus_jsonl, read_qrels_tsv, read_queries_jsonl)
 from hil.data.errors import DataFormatError
 from hil.provenance import fingerprint_strings
 
@@ -307,18 +307,60 @@ def test_bad_tsv_and_trec_lines_are_named(tmp_path, loader, content, line, reaso
     assert_names(err, path, line)
 
 
-def test_dl19_pool_layout_and_unknown_passage(tmp_path):
-    folder = tmp_path / "pool"
-    folder.mkdir()
-    (folder / "collection.tsv").write_text("p1\tone\np2\ttwo\n")
-    (folder / "queries.tsv").write_text("q1\tfirst\nq2\tunjudged\n")
-    (folder / "qrels.txt").write_text("q1 0 p1 3\nq1 0 p2 0\n")
-    data = load_dl19_pool(folder)
-    assert data.queries == {"q1": "first"} and data.qrels == {"q1": {"p1": 3, "p2": 0}} and data.split == "test"
-    (folder / "qrels.txt").write_text("q1 0 p1 3\nq1 0 p3 1\n")
-    with pytest.raises(DataFormatError, match="corpus id 'p3' is not in the corpus") as err:
-        load_dl19_pool(folder)
-    assert_names(err, folder / "qrels.txt", 2)
+# Outside judgments: d9 and d8 are not in the corpus (a re-ranking set's qrels judge documents beyond its corpus).
+RERANK_QRELS = "q1\td1\t1\nq1\td9\t3\nq1\td9\t3\nq2\td2\t2\nq2\td8\t0\n"
+
+
+def test_judgments_outside_the_corpus_are_an_error_by_default(tmp_path):
+    folder = write_dataset(tmp_path / "rerank", qrels=RERANK_QRELS)
+    with pytest.raises(DataFormatError, match="corpus id 'd9' is not in the corpus") as err:
+        load_beir(folder)
+    assert_names(err, folder / "qrels" / "test.tsv", 2)
+    with pytest.raises(DataFormatError, match="corpus id 'd9'"):
+        load_trec_qrels(write_text(tmp_path / "q.txt", "q1 0 d1 1\nq1 0 d9 2\n"), corpus={"d1": {}})
+
+
+def test_judgments_outside_the_corpus_are_kept_for_a_reranking_set(tmp_path, caplog):
+    folder = write_dataset(tmp_path / "rerank", qrels=RERANK_QRELS)
+    with caplog.at_level("WARNING", logger="hil.data.beir"):
+        data = load_beir(folder, judged_outside_corpus="keep", relevance_level=2)
+    assert data.qrels == {"q1": {"d1": 1, "d9": 3}, "q2": {"d2": 2, "d8": 0}}  # kept; the repeated pair once
+    assert data.judged_outside_corpus == 2 and data.relevance_level == 2
+    (record,) = [r for r in caplog.records if r.name == "hil.data.beir"]
+    assert "\n" not in record.getMessage() and "2 of 4 judgments" in record.getMessage()
+    assert str(folder / "qrels" / "test.tsv") in record.getMessage()
+    # every other check stays: an unknown query, a conflicting grade, a bad score
+    for bad, line, reason in (("q1\td1\t1\nq7\td9\t1\n", 2, "query id 'q7' is not in the queries"),
+                              ("q1\td9\t1\nq1\td9\t2\n", 2, "judged 2 here but 1 on line 1"),
+                              ("q1\td9\thigh\nq1\td9\t1\n", 1, None),  # a header row, then fine
+                              ("q1\td1\t1\nq1\td9\tx\n", 2, "score 'x' is not an integer")):
+        write_dataset(folder, qrels=bad)
+        if reason is None:
+            assert load_beir(folder, judged_outside_corpus="keep").qrels == {"q1": {"d9": 1}}
+            continue
+        with pytest.raises(DataFormatError, match=reason) as err:
+            load_beir(folder, judged_outside_corpus="keep")
+        assert_names(err, folder / "qrels" / "test.tsv", line)
+    with pytest.raises(ValueError, match="judged_outside_corpus must be"):
+        load_beir(folder, judged_outside_corpus="drop")
+    with pytest.raises(ValueError, match="relevance_level must be"):
+        load_beir(folder, relevance_level=0)
+
+
+def test_subset_of_a_reranking_set_keeps_its_candidates_and_counts(tmp_path):
+    data = load_beir(write_dataset(tmp_path / "rerank", qrels=RERANK_QRELS), judged_outside_corpus="keep",
+                     relevance_level=2)
+    small = data.subset(n_queries=1, n_docs=1, seed=0, candidates={"q1": ["d3", "d1"], "q2": ["d4", "d2"]})
+    (query_id,) = small.queries
+    expected = {"q1": {"d1", "d3"}, "q2": {"d2", "d4"}}[query_id]  # judged + candidates, past n_docs
+    assert set(small.corpus) == expected and small.qrels[query_id] == data.qrels[query_id]
+    assert small.judged_outside_corpus == 1 and small.relevance_level == 2
+    assert len(data.subset(n_queries=1, n_docs=1, seed=0).corpus) == 1  # without candidates: the judged one
+
+
+def write_text(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -481,8 +523,12 @@ def test_real_scifact(shared_data):
 def test_real_nfcorpus_dl19_and_topics(shared_data):
     nfcorpus = load_beir(shared_data / "beir" / "nfcorpus")
     assert (len(nfcorpus.corpus), len(nfcorpus.queries), sum(map(len, nfcorpus.qrels.values()))) == (3633, 323, 12334)
-    pool = load_dl19_pool(shared_data / "msmarco" / "dl19-pool")
-    assert (len(pool.corpus), len(pool.queries)) == (4103, 43)
+    dl19 = load_beir(shared_data / "msmarco" / "dl19", judged_outside_corpus="keep", relevance_level=2)
+    assert (len(dl19.corpus), len(dl19.queries), sum(map(len, dl19.qrels.values()))) == (4297, 43, 9260)
+    assert dl19.judged_outside_corpus == 9260 - 2257  # the README: 2,257 judgments fall inside the top 100
+    assert sorted({g for judged in dl19.qrels.values() for g in judged.values()}) == [0, 1, 2, 3]
+    with pytest.raises(DataFormatError, match="is not in the corpus"):
+        load_beir("msmarco/dl19", data_dir=shared_data)
     topics = load_topics_tsv(shared_data / "beir-test-topics" / "topics.beir-v1.0.0-scifact.test.tsv.gz")
     trec = load_trec_qrels(shared_data / "beir-test-topics" / "qrels.beir-v1.0.0-scifact.test.txt")
     assert set(topics) == set(trec) == set(load_beir(shared_data / "beir" / "scifact").qrels)

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hil.evaluation.metrics import evaluate_run, parse_metric
-from hil.evaluation.runs import ranked, read_trec_run, top_k, write_trec_run
+from hil.evaluation.runs import candidates_from_run, ranked, read_trec_run, run_depth, top_k, write_trec_run
 from reference_metrics import mrr_at_k_reference, ndcg_at_k_reference, recall_at_k_reference
 
 log2 = math.log2
@@ -184,6 +184,42 @@ def test_tied_scores_follow_runs_ranked_order(data):
         assert per_query[qid]["p@3"] == pytest.approx(_p_at_k(judged, ranking, 3), abs=1e-12)
 
 
+def test_relevance_level_by_hand():
+    """TREC DL's convention (level 2): binary metrics count grades >= 2; nDCG keeps using the grades."""
+    metrics = ("ndcg@10", "mrr@10", "recall@2", "p@2", "map", "success@1")
+    one, _ = evaluate_run(TOY_QRELS, TOY_RUN, metrics=metrics)
+    two, per_query = evaluate_run(TOY_QRELS, TOY_RUN, metrics=metrics, relevance_level=2)
+    assert two["ndcg@10"] == one["ndcg@10"] == pytest.approx(0.6856317, abs=1e-6)
+    # relevant at level 2: q1 {d2} (rank 3), q2 none (d5 is grade 1), q3 {d8} (rank 2)
+    assert two["mrr@10"] == pytest.approx((1 / 3 + 0 + 1 / 2) / 3)
+    assert [per_query[q]["recall@2"] for q in ("q1", "q2", "q3")] == [0.0, 0.0, 1.0]
+    assert two["p@2"] == pytest.approx((0 + 0 + 1 / 2) / 3)
+    assert two["map"] == pytest.approx((1 / 3 + 0 + 1 / 2) / 3)
+    assert two["success@1"] == 0.0 and one["success@1"] == pytest.approx(2 / 3)
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="relevance_level"):
+            evaluate_run(TOY_QRELS, TOY_RUN, relevance_level=bad)
+
+
+@settings(max_examples=40, deadline=None)
+@given(qrels_and_run(distinct_scores=True), st.integers(1, 3))
+def test_relevance_level_matches_binarized_references(data, level):
+    """At any level, binary metrics equal the level-1 references on qrels binarized at ``grade >= level``, and
+    nDCG equals the graded reference (the level never touches gains)."""
+    qrels, run = data
+    metrics = ("ndcg@10", "mrr@10", "recall@5", "p@5", "map")
+    _, per_query = evaluate_run(qrels, run, metrics=metrics, relevance_level=level)
+    for qid, judged in qrels.items():
+        ranking = sorted(run[qid], key=lambda d: -run[qid][d])
+        binary = {d: int(g >= level) for d, g in judged.items()}
+        got = per_query[qid]
+        assert got["ndcg@10"] == pytest.approx(ndcg_at_k_reference(judged, ranking, 10), abs=1e-9)
+        assert got["mrr@10"] == pytest.approx(mrr_at_k_reference(binary, ranking, 10), abs=1e-12)
+        assert got["recall@5"] == pytest.approx(recall_at_k_reference(binary, ranking, 5), abs=1e-12)
+        assert got["p@5"] == pytest.approx(_p_at_k(binary, ranking, 5), abs=1e-12)
+        assert got["map"] == pytest.approx(_average_precision(binary, ranking), abs=1e-9)
+
+
 def test_ndcg_reference_by_hand():
     judged = {"a": 2, "b": 1, "c": -1}
     assert ndcg_at_k_reference(judged, ["c", "b", "a"], 10) == pytest.approx(
@@ -252,3 +288,32 @@ def test_read_errors_name_file_and_line(tmp_path: Path, body: str, message: str)
     path.write_text(body)
     with pytest.raises(ValueError, match=message):
         read_trec_run(path)
+
+
+@pytest.mark.parametrize("body, message", [
+    ("q1 Q0 d1 1 0.5 t\nq9 Q0 d1 1 0.5 t\n", r"r\.trec:2: query id 'q9' is not among the dataset's judged queries"),
+    ("q1 Q0 d1 1 0.5 t\n\nq1 Q0 d7 2 0.4 t\n", r"r\.trec:3: document id 'd7' \(query 'q1'\) is not in the corpus"),
+    ("q1 Q0 d1 1 0.5\n", r"r\.trec:1: expected 6 fields"),
+])
+def test_read_against_a_dataset_names_unknown_ids(tmp_path: Path, body: str, message: str):
+    path = tmp_path / "r.trec"
+    path.write_text(body)
+    with pytest.raises(ValueError, match=message) as err:
+        read_trec_run(path, queries={"q1": "text"}, documents={"d1": {}, "d2": {}})
+    assert "\n" not in str(err.value)
+    with pytest.raises(FileNotFoundError, match=r"nope\.trec: no such run file"):
+        read_trec_run(tmp_path / "nope.trec")
+
+
+def test_candidates_follow_scores_not_the_file_order_and_stop_at_depth(tmp_path: Path):
+    """The rank column and line order are ignored, as trec_eval ignores them: candidates are the best by score
+    (ties by document id, descending), cut at ``depth``."""
+    path = tmp_path / "r.trec"
+    path.write_text("q1 Q0 a 1 0.1 t\nq1 Q0 b 2 0.9 t\nq1 Q0 c 3 0.5 t\nq1 Q0 d 4 0.5 t\nq2 Q0 x 1 3.0 t\n")
+    run = read_trec_run(path)
+    assert candidates_from_run(run) == {"q1": ["b", "d", "c", "a"], "q2": ["x"]}
+    assert candidates_from_run(run, 2) == {"q1": ["b", "d"], "q2": ["x"]}
+    assert run_depth(run) == 4 and run_depth({}) == 0
+    assert candidates_from_run({"q": {}}, 3) == {}
+    with pytest.raises(ValueError, match="depth"):
+        candidates_from_run(run, 0)

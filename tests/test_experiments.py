@@ -13,9 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hil.data.beir import BeirDataset
+from hil.evaluation.evaluate import first_stage
+from hil.evaluation.runs import read_trec_run
 from hil.experiments.paper import head_overlap, main, relevant_pairs
-from hil.experiments.profiles import DATASETS, PROFILES, VARIANTS
-from hil.experiments.records import delta_inter_iso
+from hil.experiments.profiles import DATASETS, DEFAULT_VARIANTS, DIAGNOSTICS, FIRST_STAGES, PROFILES, VARIANTS
+from hil.experiments.records import dataset_column, delta_inter_iso, load_dataset
 from hil.modeling.encoder import ColBERTEncoder
 from hil.retrieval.encoding import encode_document_tokens, eval_mode
 from hil.retrieval.search import rank_matrix, score_documents
@@ -89,7 +91,8 @@ def test_score_documents_by_head_matches_score(tiny_model_dir):
 def test_profiles_cover_every_variant_config():
     repo_root = Path(__file__).resolve().parents[1]
     for delta, _ in VARIANTS.values():
-        assert delta is None or (repo_root / "configs" / "variants" / f"{delta}.yaml").is_file(), delta
+        for part in (delta,) if isinstance(delta, str) else (delta or ()):
+            assert (repo_root / "configs" / "variants" / f"{part}.yaml").is_file(), part
     for profile in PROFILES.values():
         assert set(profile.slices) <= set(DATASETS)
         assert (repo_root / "configs" / "presets" / profile.preset).is_file()
@@ -129,6 +132,54 @@ def test_profile_budget_is_what_train_py_resolves(name):
     assert budget.seed == config["seed_everything"]
 
 
+@pytest.mark.integration
+def test_dl19_is_the_official_bm25_top100_with_graded_qrels(shared_dir):
+    """DL19 re-ranks the official BM25 run, whose own row is that run's score: 0.5058 on the whole set."""
+    assert DATASETS["dl19"] == ("rerank", "msmarco/dl19") and FIRST_STAGES["dl19"].relevance_level == 2
+    dataset, bm25 = load_dataset("dl19", PROFILES["cpu"])
+    assert (len(dataset.queries), len(dataset.corpus), dataset.judged_outside_corpus) == (43, 4297, 7003)
+    assert dataset.relevance_level == 2 and bm25.name == "bm25"
+    assert bm25.aggregate["ndcg@10"] == pytest.approx(0.5058, abs=5e-5)
+    given = read_trec_run(shared_dir / "data" / "msmarco" / "dl19" / "bm25-top100.trec")
+    assert bm25.run == given and all(len(docs) == 100 for docs in first_stage(bm25, 100).values())
+    assert dataset_column("dl19", 100) == "TREC DL19, re-ranking BM25 top 100, graded qrels"
+    # a slice keeps its queries' candidates, and BM25's row is the given run on the slice's queries
+    small, bm25_small = load_dataset("dl19", PROFILES["smoke"])
+    depth = PROFILES["smoke"].rerank_depth
+    assert len(small.queries) == 8 and set(bm25_small.run) == set(small.queries)
+    assert all(set(docs) <= set(small.corpus) for docs in first_stage(bm25_small, depth).values())
+    assert all(bm25_small.run[q] == given[q] for q in small.queries)
+
+
+@pytest.mark.integration
+def test_smoke_dl19_reranks_the_given_bm25_run(tmp_path, capsys):
+    """On DL19 BM25's row is the given run (scored on the slice) and a model re-ranks exactly its top 20; a finished
+    DL19 evaluation of other data (the old judged pool) is redone, not reused."""
+    out = tmp_path / "smoke"
+    assert main(["--profile", "smoke", "--out", str(out), "--variants", "colbert", "--datasets", "dl19"]) == 0
+    bm25 = json.loads((out / "eval" / "dl19" / "bm25.json").read_text())
+    assert bm25["mode"] == "first-stage" and bm25["run_file"].endswith("bm25-top100.trec")
+    assert bm25["judged_outside_corpus"] > 0 and bm25["relevance_level"] == 2
+    _, given = load_dataset("dl19", PROFILES["smoke"])
+    assert bm25["metrics"] == given.aggregate and read_trec_run(out / "eval" / "dl19" / "bm25.trec") == given.run
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["table2"]["bm25"]["dl19"] == pytest.approx(given.aggregate["ndcg@10"])
+    colbert = out / "eval" / "dl19" / "colbert.json"
+    ranked = read_trec_run(out / "eval" / "dl19" / "colbert.trec")
+    assert {q: set(d) for q, d in ranked.items()} == {q: set(d) for q, d in bm25["run_top"].items()}
+    assert all(len(d) == PROFILES["smoke"].rerank_depth for d in bm25["run_top"].values())
+    assert "TREC DL19, re-ranking BM25 top 20, graded qrels" in (out / "report.md").read_text()
+
+    old = {**json.loads(colbert.read_text()), "dataset": "msmarco-dl19-pool", "metrics": {"ndcg@10": 0.99}}
+    (out / "eval" / "dl19" / "bm25.json").write_text(json.dumps({**bm25, "dataset": "msmarco-dl19-pool"}))
+    colbert.write_text(json.dumps(old))
+    assert main(["--profile", "smoke", "--out", str(out), "--report-only"]) == 1  # no report of other data
+    assert "dl19/bm25 (msmarco-dl19-pool)" in capsys.readouterr().err
+    assert main(["--profile", "smoke", "--out", str(out), "--variants", "colbert", "--datasets", "dl19"]) == 0
+    redone = json.loads(colbert.read_text())
+    assert redone["dataset"] == "dl19" and redone["metrics"]["ndcg@10"] != 0.99
+
+
 def test_bad_arguments_are_one_line_errors(tmp_path, capsys):
     assert main(["--profile", "smoke", "--out", str(tmp_path), "--variants", "colbert,nope"]) == 1
     assert "unknown variant or dataset ['nope']" in capsys.readouterr().err
@@ -145,13 +196,17 @@ def test_smoke_profile_end_to_end_and_resume(tmp_path):
     for heading in ("## Table 2", "## Table 3", "## Table 5", "Figure 2", "Figure 3", "Figure 5", "## Verdict"):
         assert heading in report, heading
     for name in ("ColBERT-lambda", "ColBERT-HIL w/o reg_L, reg_H", "ColBERT-cosreg", "ColBERT-istar", "BM25",
-                 "ColBERT-HIL, target-corpus IDF"):
+                 "ColBERT-HIL, target-corpus IDF", "ColBERT-HIL (authors' code)",
+                 "ColBERT-HIL (authors' code), target-query IDF"):
         assert f"| {name} |" in report, name
+    assert "TREC DL19, re-ranking BM25 top 20, graded qrels" in report
+    assert "## nDCG@10 by query length" in report
+    assert not any((out / "train" / name).exists() for name in DIAGNOSTICS), "diagnostics run only when named"
     summary = json.loads((out / "summary.json").read_text())
     assert summary["table3"]["hil"]["delta_inter_iso"] is not None
     assert summary["table3"]["lambda"]["delta_inter_iso"] is not None
     for key in DATASETS:
-        for name in list(VARIANTS) + ["lambda", "bm25", "hil_corpus_idf"]:
+        for name in list(DEFAULT_VARIANTS) + ["lambda", "bm25", "hil_corpus_idf", "hil_authors_target_idf"]:
             record = json.loads((out / "eval" / key / f"{name}.json").read_text())
             assert 0.0 <= record["metrics"]["ndcg@10"] <= 1.0
     # ColBERT-lambda is the sum of its members' matrices: recompute one query's ranking from the saved scores.

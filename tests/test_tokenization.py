@@ -19,8 +19,12 @@ def test_query_markers_and_mask_padding(tok, hf_tokenizer):
     expected = [cls, q_marker, *body, sep] + [mask] * (10 - len(body) - 3)
     assert batch.input_ids[0].tolist() == expected
     assert batch.input_ids.shape == (2, 10)
-    assert batch.attention_mask.all(), "[MASK] padding is attended to"
-    assert batch.scoring_mask.all()
+    n_real = len(body) + 3
+    assert batch.attention_mask[0].tolist() == [1] * n_real + [0] * (10 - n_real), "[MASK] padding not attended (v1)"
+    assert batch.attention_mask[1].tolist() == [1, 1, 1] + [0] * 7
+    assert batch.scoring_mask.all(), "but scored"
+    attending = ColBERTTokenizer(hf_tokenizer, query_maxlen=10, doc_maxlen=12, attend_to_mask_tokens=True)
+    assert attending.encode_queries(["what is a cat"]).attention_mask.all()
     # A query that tokenizes to nothing is still [CLS] [Q] [SEP] + [MASK]s, not an error.
     assert batch.input_ids[1, :3].tolist() == [cls, q_marker, sep]
     assert (batch.input_ids[1, 3:] == mask).all()

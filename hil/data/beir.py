@@ -24,6 +24,10 @@ Choices where BEIR itself is loose (each checked, each reported as a :class:`Dat
   unconditionally, which silently drops a judgment from header-less files). Every query id and document id must exist
   in queries/corpus. A repeated (query, doc) pair with the same score is ignored; with a different score, an error.
 * Only queries judged in the split are kept (BEIR convention); their judgments with score 0 stay in ``qrels``.
+* A re-ranking set (TREC DL 2019: BM25's top 100 per query as the corpus) has qrels judging documents outside its
+  corpus, which trec_eval counts in the ideal DCG: ``judged_outside_corpus="keep"`` keeps them (a warning line gives
+  their count, ``BeirDataset.judged_outside_corpus`` records it); the default, ``"error"``, refuses them.
+* ``relevance_level``: the lowest grade binary metrics count as relevant (1; TREC DL: 2); nDCG uses the grades.
 
 Self matches (ArguAna, Quora: the query is itself a corpus document with the same id) are a property of runs, not of
 the data; :func:`drop_self_matches` removes them from a run the way BEIR's ``ignore_identical_ids`` does.
@@ -33,19 +37,22 @@ from __future__ import annotations
 
 import gzip
 import json
+import logging
 import os
 import random
 import re
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Callable, Iterable, Iterator, Mapping, TypeVar
+from typing import IO, Any, Callable, Iterable, Iterator, Literal, Mapping, TypeVar
 
 from hil.data.errors import DataFormatError
 from hil.paths import DATA_DIR_ENV, resolve_dataset
 from hil.provenance import fingerprint_strings
 
 V = TypeVar("V")
+OutsideCorpus = Literal["error", "keep"]
+logger = logging.getLogger(__name__)
 
 _BOM = b"\xef\xbb\xbf"
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -176,19 +183,32 @@ def read_queries_jsonl(path: str | os.PathLike) -> dict[str, str]:
     return _records_to_queries(path, _iter_json_objects(path))
 
 
-class _QrelsBuilder:
-    """Collects judgments, checking ids against the corpus/queries and repeated pairs."""
+def _check_options(judged_outside_corpus: str = "error", relevance_level: int = 1) -> None:
+    if judged_outside_corpus not in ("error", "keep"):
+        raise ValueError(f"judged_outside_corpus must be 'error' or 'keep', got {judged_outside_corpus!r}")
+    if isinstance(relevance_level, bool) or not isinstance(relevance_level, int) or relevance_level < 1:
+        raise ValueError(f"relevance_level must be an integer >= 1, got {relevance_level!r}")
 
-    def __init__(self, path: Path, queries: Mapping[str, str] | None, corpus: Mapping[str, Any] | None) -> None:
-        self.path, self.queries, self.corpus = path, queries, corpus
+
+class _QrelsBuilder:
+    """Collects judgments, checking ids against the corpus/queries (see ``judged_outside_corpus``) and repeats."""
+
+    def __init__(self, path: Path, queries: Mapping[str, str] | None, corpus: Mapping[str, Any] | None,
+                 outside_corpus: OutsideCorpus = "error") -> None:
+        _check_options(outside_corpus)
+        self.path, self.queries, self.corpus, self.outside_corpus = path, queries, corpus, outside_corpus
         self.qrels: dict[str, dict[str, int]] = {}
         self.first_line: dict[tuple[str, str], int] = {}
+        self.n_outside = 0
 
     def add(self, line: int | None, query_id: str, doc_id: str, score: int) -> None:
         if self.queries is not None and query_id not in self.queries:
             raise DataFormatError(self.path, line, f"query id {query_id!r} is not in the queries")
-        if self.corpus is not None and doc_id not in self.corpus:
-            raise DataFormatError(self.path, line, f"corpus id {doc_id!r} is not in the corpus")
+        outside = self.corpus is not None and doc_id not in self.corpus
+        if outside and self.outside_corpus == "error":
+            raise DataFormatError(self.path, line, f"corpus id {doc_id!r} is not in the corpus (a re-ranking set "
+                                                   f"whose qrels judge documents outside its corpus loads with "
+                                                   f"judged_outside_corpus='keep')")
         judged = self.qrels.setdefault(query_id, {})
         if doc_id in judged:
             if judged[doc_id] != score:
@@ -197,10 +217,14 @@ class _QrelsBuilder:
             return
         judged[doc_id] = score
         self.first_line[(query_id, doc_id)] = line if line is not None else 0
+        self.n_outside += outside
 
     def result(self) -> dict[str, dict[str, int]]:
         if not self.qrels:
             raise DataFormatError(self.path, None, "no judgments")
+        if self.n_outside:
+            logger.warning("%s: %d of %d judgments name documents outside the corpus; kept (they count in the ideal "
+                           "DCG, as in trec_eval)", self.path, self.n_outside, sum(map(len, self.qrels.values())))
         return self.qrels
 
 
@@ -211,10 +235,12 @@ def _parse_score(path: Path, line: int | None, value: str) -> int:
 
 
 def read_qrels_tsv(path: str | os.PathLike, queries: Mapping[str, str] | None = None,
-                   corpus: Mapping[str, Any] | None = None) -> dict[str, dict[str, int]]:
-    """``{query_id: {doc_id: score}}`` from a BEIR qrels TSV; ids are checked when ``queries``/``corpus`` are given."""
+                   corpus: Mapping[str, Any] | None = None,
+                   judged_outside_corpus: OutsideCorpus = "error") -> dict[str, dict[str, int]]:
+    """``{query_id: {doc_id: score}}`` from a BEIR qrels TSV; ids are checked when ``queries``/``corpus`` are given
+    (documents outside ``corpus`` as ``judged_outside_corpus`` says: see the module docstring)."""
     path = Path(path)
-    builder = _QrelsBuilder(path, queries, corpus)
+    builder = _QrelsBuilder(path, queries, corpus, judged_outside_corpus)
     first = True
     for line, text in iter_text_lines(path):
         columns = [column.strip() for column in text.split("\t")]
@@ -232,10 +258,12 @@ def read_qrels_tsv(path: str | os.PathLike, queries: Mapping[str, str] | None = 
 
 
 def load_trec_qrels(path: str | os.PathLike, queries: Mapping[str, str] | None = None,
-                    corpus: Mapping[str, Any] | None = None) -> dict[str, dict[str, int]]:
-    """``{query_id: {doc_id: relevance}}`` from TREC qrels (``qid iteration docid relevance``, whitespace-separated)."""
+                    corpus: Mapping[str, Any] | None = None,
+                    judged_outside_corpus: OutsideCorpus = "error") -> dict[str, dict[str, int]]:
+    """``{query_id: {doc_id: relevance}}`` from TREC qrels (``qid iteration docid relevance``, whitespace-separated);
+    ids checked as :func:`read_qrels_tsv` does."""
     path = Path(path)
-    builder = _QrelsBuilder(path, queries, corpus)
+    builder = _QrelsBuilder(path, queries, corpus, judged_outside_corpus)
     for line, text in iter_text_lines(path):
         columns = text.split()
         if len(columns) != 4:
@@ -290,6 +318,8 @@ class BeirDataset:
     qrels: dict[str, dict[str, int]]  # query_id -> {doc_id: graded relevance}
     split: str
     source: str  # the folder or hub id it was read from
+    relevance_level: int = 1  # lowest grade binary metrics count as relevant (TREC DL: 2); nDCG uses the grades
+    judged_outside_corpus: int = 0  # judgments in ``qrels`` of documents not in ``corpus`` (re-ranking sets)
 
     def doc_ids(self) -> list[str]:
         """Document ids in corpus (file) order; row ``i`` of any index built over :meth:`documents` is ``doc_ids()[i]``."""
@@ -333,19 +363,24 @@ class BeirDataset:
 
         return fingerprint_strings(items())
 
-    def subset(self, n_queries: int | None = None, n_docs: int | None = None, seed: int = 0) -> "BeirDataset":
+    def subset(self, n_queries: int | None = None, n_docs: int | None = None, seed: int = 0,
+               candidates: Mapping[str, Iterable[str]] | None = None) -> "BeirDataset":
         """A smaller dataset for tests and slices, deterministic given ``seed``.
 
         Keeps ``n_queries`` judged queries sampled without replacement (all when None) with all their judgments,
-        every document judged for a kept query (even beyond ``n_docs``: judged documents are never dropped), and
-        documents sampled from the rest up to ``n_docs`` in total (all when None). Order follows the original.
+        every document judged for a kept query or among its ``candidates`` (qid -> a first stage's document ids),
+        even beyond ``n_docs`` (they are never dropped), and documents sampled from the rest up to ``n_docs`` in total
+        (all when None). Order follows the original.
         """
         rng = random.Random(seed)
         query_ids = [query_id for query_id in self.queries if query_id in self.qrels]
         if n_queries is not None and n_queries < len(query_ids):
             kept = set(rng.sample(query_ids, n_queries))
             query_ids = [query_id for query_id in query_ids if query_id in kept]
-        judged = {doc_id for query_id in query_ids for doc_id in self.qrels[query_id]}
+        judged = {doc_id for query_id in query_ids for doc_id in self.qrels[query_id] if doc_id in self.corpus}
+        if candidates is not None:
+            judged |= {doc_id for query_id in query_ids for doc_id in candidates.get(query_id, ())
+                       if doc_id in self.corpus}
         if n_docs is None:
             doc_ids = set(self.corpus)
         else:
@@ -359,6 +394,9 @@ class BeirDataset:
             qrels={query_id: dict(self.qrels[query_id]) for query_id in query_ids},
             split=self.split,
             source=self.source,
+            relevance_level=self.relevance_level,
+            judged_outside_corpus=sum(doc_id not in self.corpus for query_id in query_ids
+                                      for doc_id in self.qrels[query_id]),
         )
 
 
@@ -379,7 +417,8 @@ def _first_existing(folder: Path, *names: str) -> Path | None:
     return None
 
 
-def _load_folder(folder: Path, name: str, split: str) -> BeirDataset:
+def _load_folder(folder: Path, name: str, split: str, outside_corpus: OutsideCorpus,
+                 relevance_level: int) -> BeirDataset:
     corpus_path = _first_existing(folder, "corpus.jsonl", "corpus.jsonl.gz")
     queries_path = _first_existing(folder, "queries.jsonl", "queries.jsonl.gz")
     qrels_path = _first_existing(folder / "qrels", f"{split}.tsv", f"{split}.tsv.gz")
@@ -392,12 +431,19 @@ def _load_folder(folder: Path, name: str, split: str) -> BeirDataset:
         raise FileNotFoundError(f"{folder}: no qrels/{split}.tsv (splits found: {', '.join(splits) or 'none'})")
     corpus = read_corpus_jsonl(corpus_path)
     all_queries = read_queries_jsonl(queries_path)
-    qrels = read_qrels_tsv(qrels_path, queries=all_queries, corpus=corpus)
+    qrels = read_qrels_tsv(qrels_path, queries=all_queries, corpus=corpus, judged_outside_corpus=outside_corpus)
+    return _dataset(name, corpus, all_queries, qrels, split, str(folder), relevance_level)
+
+
+def _dataset(name: str, corpus: dict[str, dict[str, str]], all_queries: dict[str, str],
+             qrels: dict[str, dict[str, int]], split: str, source: str, relevance_level: int) -> BeirDataset:
     queries = {query_id: text for query_id, text in all_queries.items() if query_id in qrels}
-    return BeirDataset(name=name, corpus=corpus, queries=queries, qrels=qrels, split=split, source=str(folder))
+    outside = sum(doc_id not in corpus for judged in qrels.values() for doc_id in judged)
+    return BeirDataset(name=name, corpus=corpus, queries=queries, qrels=qrels, split=split, source=source,
+                       relevance_level=relevance_level, judged_outside_corpus=outside)
 
 
-def _load_hub(name: str, split: str) -> BeirDataset:
+def _load_hub(name: str, split: str, outside_corpus: OutsideCorpus, relevance_level: int) -> BeirDataset:
     """BEIR from the Hugging Face hub (``BeIR/<name>`` corpus/queries configs, ``BeIR/<name>-qrels``). Needs network."""
     hub_id = f"BeIR/{name}"
     try:
@@ -417,7 +463,7 @@ def _load_hub(name: str, split: str) -> BeirDataset:
     qrels_source = Path(f"hf://{hub_id}-qrels/{split}")
     corpus = _records_to_corpus(corpus_source, ((row + 1, record) for row, record in enumerate(corpus_rows)))
     all_queries = _records_to_queries(queries_source, ((row + 1, record) for row, record in enumerate(query_rows)))
-    builder = _QrelsBuilder(qrels_source, all_queries, corpus)
+    builder = _QrelsBuilder(qrels_source, all_queries, corpus, outside_corpus)
     for row, record in enumerate(qrels_rows, start=1):
         query_id = _checked_id(qrels_source, row, record.get("query-id"), "query-id")
         doc_id = _checked_id(qrels_source, row, record.get("corpus-id"), "corpus-id")
@@ -425,47 +471,30 @@ def _load_hub(name: str, split: str) -> BeirDataset:
         if isinstance(score, bool) or not isinstance(score, (int, str)):
             raise DataFormatError(qrels_source, row, f"score {score!r} is not an integer")
         builder.add(row, query_id, doc_id, _parse_score(qrels_source, row, str(score).strip()))
-    qrels = builder.result()
-    queries = {query_id: text for query_id, text in all_queries.items() if query_id in qrels}
-    return BeirDataset(name=name, corpus=corpus, queries=queries, qrels=qrels, split=split, source=f"hf://{hub_id}")
+    return _dataset(name, corpus, all_queries, builder.result(), split, f"hf://{hub_id}", relevance_level)
 
 
 def _looks_like_path(name_or_path: str) -> bool:
     return name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1 or os.sep != "/" and os.sep in name_or_path
 
 
-def load_beir(name_or_path: str | os.PathLike, split: str = "test",
-              data_dir: str | os.PathLike | None = None) -> BeirDataset:
+def load_beir(name_or_path: str | os.PathLike, split: str = "test", data_dir: str | os.PathLike | None = None, *,
+              judged_outside_corpus: OutsideCorpus = "error", relevance_level: int = 1) -> BeirDataset:
     """Load one split of a BEIR dataset from a local folder, else from the Hugging Face hub.
 
     ``name_or_path`` is a folder, a name found under ``data_dir`` / ``$HIL_DATA_DIR`` (``beir/<name>`` or ``<name>``),
     or a hub name (``scifact`` or ``BeIR/scifact``). Bad files raise :class:`DataFormatError` naming file and line;
-    a missing file or an unreachable dataset raises ``FileNotFoundError``.
+    a missing file or an unreachable dataset raises ``FileNotFoundError``. ``judged_outside_corpus``,
+    ``relevance_level``: see the module docstring (TREC DL, ``msmarco/dl19``: ``"keep"`` and 2).
     """
+    _check_options(judged_outside_corpus, relevance_level)
     folder = resolve_dataset(name_or_path, data_dir)
     text = str(name_or_path)
     if folder is None and isinstance(name_or_path, str) and text.lower().startswith("beir/"):
         folder = resolve_dataset(text.split("/", 1)[1], data_dir)
     if folder is not None:
-        return _load_folder(folder, folder.name, split)
+        return _load_folder(folder, folder.name, split, judged_outside_corpus, relevance_level)
     if not isinstance(name_or_path, str) or _looks_like_path(text):
         raise FileNotFoundError(f"{text}: no such dataset folder")
     name = text.split("/", 1)[1] if text.lower().startswith("beir/") else text
-    return _load_hub(name, split)
-
-
-def load_dl19_pool(folder: str | os.PathLike, name: str = "msmarco-dl19-pool") -> BeirDataset:
-    """TREC DL 2019 passage judged pool: ``collection.tsv`` (pid TAB text), ``queries.tsv``, ``qrels.txt`` (TREC).
-
-    The split is called ``"test"``; only judged queries are kept, and every judged passage must be in the collection.
-    """
-    folder = Path(folder).expanduser()
-    paths = {name_: folder / name_ for name_ in ("collection.tsv", "queries.tsv", "qrels.txt")}
-    for path in paths.values():
-        if not path.is_file():
-            raise FileNotFoundError(f"{path}: no such file (expected collection.tsv, queries.tsv and qrels.txt)")
-    corpus = load_collection_tsv(paths["collection.tsv"])
-    all_queries = load_topics_tsv(paths["queries.tsv"])
-    qrels = load_trec_qrels(paths["qrels.txt"], queries=all_queries, corpus=corpus)
-    queries = {query_id: text for query_id, text in all_queries.items() if query_id in qrels}
-    return BeirDataset(name=name, corpus=corpus, queries=queries, qrels=qrels, split="test", source=str(folder))
+    return _load_hub(name, split, judged_outside_corpus, relevance_level)

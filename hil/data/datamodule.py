@@ -145,7 +145,9 @@ def idf_source_documents(source: str, limit: int | None, training: Sequence[Trip
     """The documents ColBERT-HIL's query-term IDF is computed from (``data.idf_source``), and a label for them.
 
     ``"train"``: the distinct passages of the training triples (the paper trains and takes IDF on MS MARCO; its
-    training passages are the in-domain collection at hand); ``"none"``: no table (uniform weights 1, an
+    training passages are the in-domain collection at hand); ``"train_queries"``: the distinct queries of the
+    training triples (the HIL authors' code takes its IDF over the MS MARCO training queries; pair it with
+    ``idf_formula: authors``); ``"none"``: no table (uniform weights 1, an
     ablation; returns None); a path to a ``query TAB positive TAB negative`` file (its passages); or a BEIR
     dataset name or folder (its corpus). ``limit``: at most the first N distinct documents.
     """
@@ -156,6 +158,10 @@ def idf_source_documents(source: str, limit: int | None, training: Sequence[Trip
             raise ValueError("data.idf_source=train needs the training triples (call setup('fit') first)")
         return distinct_texts((text for t in training for text in (t.positive, t.negative)), limit), \
             "training triples' passages"
+    if source == "train_queries":
+        if training is None:
+            raise ValueError("data.idf_source=train_queries needs the training triples (call setup('fit') first)")
+        return distinct_texts((t.query for t in training), limit), "training triples' queries"
     try:
         path = resolve_data_file(source, data_dir)
     except FileNotFoundError:
@@ -168,7 +174,7 @@ def idf_source_documents(source: str, limit: int | None, training: Sequence[Trip
     try:
         dataset = load_beir(source, data_dir=data_dir)
     except FileNotFoundError as error:
-        raise FileNotFoundError(f"data.idf_source={source!r}: not 'train', 'none', a triples file or a BEIR "
+        raise FileNotFoundError(f"data.idf_source={source!r}: not 'train', 'train_queries', 'none', a triples file or a BEIR "
                                 f"dataset ({error})") from None
     texts = dataset.documents()
     return (texts[:limit] if limit else texts), f"corpus of {dataset.name} ({Path(dataset.source).name})"

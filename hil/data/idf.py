@@ -13,6 +13,13 @@ HIL multiplies the lexical MaxSim of each query token by ``IDF(q_i)`` (``S_L(q_i
 - **Unseen tokens** (``df = 0``) get ``ln(1 + (N + 0.5) / 0.5) = ln(2N + 2)``, the largest value the formula
   takes: a never-seen term is treated as the rarest possible term. This falls out of the formula; nothing
   special is done for it.
+- **The authors' form** (``formula=AUTHORS_FORMULA``, :func:`authors_idf`, :meth:`IDFTable.from_queries`): the HIL
+  authors' released code (its ``qidf.pickle`` script) takes ``ln(N / (1 + df))`` over the *query* collection (the
+  MS MARCO training queries in training, the target dataset's queries at evaluation), each query tokenized as the
+  model sees it, ``[CLS] [Q] tokens [SEP]`` padded with ``[MASK]`` to ``query_maxlen`` (body not truncated), and
+  counts every token alike: markers, ``[CLS]``, ``[SEP]`` and ``[MASK]`` get their (near-zero, possibly
+  negative) weight and nothing is set to 0. A token no query contains gets ``ln N`` (the authors' dictionary has
+  no entry for it; the formula at df = 0).
 - **Special tokens get weight 0**: ``[CLS]``, ``[SEP]``, ``[PAD]``, ``[MASK]``, ``[UNK]`` and the ``[Q]``/``[D]``
   markers (``zero_ids``). They carry no lexical term. In particular ColBERT pads every query to ``query_maxlen``
   with ``[MASK]`` (query augmentation); in the lexical head ``L`` a ``[MASK]`` is the same context-free vector at
@@ -28,13 +35,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 import torch
 from torch import Tensor
 
 FORMULA = "bm25: ln(1 + (N - df + 0.5) / (df + 0.5))"
+AUTHORS_FORMULA = "authors: ln(N / (1 + df)) over query-tokenized texts"
+FORMULAS: tuple[str, ...] = (FORMULA, AUTHORS_FORMULA)
 
 
 def bm25_idf(document_frequency: Tensor, n_documents: int) -> Tensor:
@@ -51,15 +60,30 @@ def bm25_idf(document_frequency: Tensor, n_documents: int) -> Tensor:
     return torch.log1p((n_documents - df + 0.5) / (df + 0.5)).to(torch.float32)
 
 
+def authors_idf(document_frequency: Tensor, n_documents: int) -> Tensor:
+    """``idf(t) = ln(N / (1 + df(t)))``, the HIL authors' released code (their query-IDF script).
+
+    document_frequency (V,) in [0, N] -> (V,) float32; ``df = 0`` gives ``ln N``; a token in every text gets
+    ``ln(N / (N + 1)) < 0``.
+    """
+    if n_documents < 1:
+        raise ValueError(f"hil.data.idf: IDF needs at least one document (n_documents={n_documents})")
+    df = document_frequency.to(torch.float64)
+    if bool((df < 0).any()) or bool((df > n_documents).any()):
+        raise ValueError(f"hil.data.idf: document frequencies must lie in [0, N={n_documents}]")
+    return torch.log(n_documents / (1.0 + df)).to(torch.float32)
+
+
 def _hf_tokenizer(tokenizer: Any) -> Any:
     """Accept a Hugging Face tokenizer or a ColBERTTokenizer (which wraps one as ``.tokenizer``)."""
     inner = getattr(tokenizer, "tokenizer", None)
     return inner if inner is not None and hasattr(inner, "all_special_ids") else tokenizer
 
 
-def count_document_frequency(tokenizer: Any, texts: Iterable[str], vocab_size: int,
-                             batch_size: int = 1024) -> tuple[Tensor, int]:
-    """How many of ``texts`` contain each token id, tokenized without special tokens and without truncation.
+def count_document_frequency(tokenizer: Any, texts: Iterable[str], vocab_size: int, batch_size: int = 1024,
+                             wrap: Callable[[list[int]], list[int]] | None = None) -> tuple[Tensor, int]:
+    """How many of ``texts`` contain each token id, tokenized without special tokens and without truncation
+    (``wrap`` may add tokens around each text's ids first: the authors' query form adds markers and padding).
 
     -> (df (vocab_size,) int64, number of documents). Token ids >= ``vocab_size`` raise (tokenizer and model
     disagree on the vocabulary).
@@ -79,6 +103,8 @@ def count_document_frequency(tokenizer: Any, texts: Iterable[str], vocab_size: i
             return
         rows = hf(batch, add_special_tokens=False, truncation=False, return_attention_mask=False,
                   return_token_type_ids=False)["input_ids"]
+        if wrap is not None:
+            rows = [wrap(list(row)) for row in rows]
         distinct = [np.unique(np.asarray(row, dtype=np.int64)) for row in rows]
         flat = np.concatenate(distinct) if distinct else np.zeros(0, dtype=np.int64)
         if flat.size and int(flat.max()) >= vocab_size:
@@ -117,6 +143,8 @@ class IDFTable:
     formula: str = field(default=FORMULA)
 
     def __post_init__(self) -> None:
+        if self.formula not in FORMULAS:
+            raise ValueError(f"hil.data.idf: unknown IDF formula {self.formula!r}; known: {FORMULAS}")
         if self.document_frequency.dim() != 1:
             raise ValueError(f"hil.data.idf: document_frequency must be (V,), got {tuple(self.document_frequency.shape)}")
         self.zero_ids = tuple(sorted({int(i) for i in self.zero_ids}))
@@ -130,8 +158,29 @@ class IDFTable:
 
     @property
     def unseen_idf(self) -> float:
-        """The weight of a token that no document contains, ``ln(2N + 2)``: the largest weight of the table."""
+        """The weight of a token that no document contains (the largest weight of the table): ``ln(2N + 2)``
+        (BM25 form) or ``ln N`` (the authors' form)."""
+        if self.formula == AUTHORS_FORMULA:
+            return math.log(self.n_documents)
         return math.log1p((self.n_documents + 0.5) / 0.5)
+
+    @classmethod
+    def from_queries(cls, tokenizer: Any, queries: Iterable[str], batch_size: int = 1024,
+                     vocab_size: int | None = None, source: str = "") -> "IDFTable":
+        """The HIL authors' query IDF: ``ln(N / (1 + df))`` over ``queries`` tokenized like queries (see the module
+        docstring). ``tokenizer`` is a ColBERTTokenizer (markers and ``query_maxlen`` are its own)."""
+        hf = _hf_tokenizer(tokenizer)
+        size = int(vocab_size) if vocab_size is not None else len(hf)
+        prefix = [hf.cls_token_id, int(tokenizer.query_marker_id)]
+        maxlen, mask_id, sep_id = int(tokenizer.query_maxlen), hf.mask_token_id, hf.sep_token_id
+
+        def as_query(body: list[int]) -> list[int]:
+            return [*prefix, *body, sep_id] + [mask_id] * max(0, maxlen - (len(body) + 3))
+
+        df, n = count_document_frequency(hf, queries, size, batch_size, wrap=as_query)
+        if n == 0:
+            raise ValueError(f"hil.data.idf: no queries to compute IDF from (source {source or '?'})")
+        return cls(df, n, (), source, formula=AUTHORS_FORMULA)
 
     @classmethod
     def from_texts(cls, tokenizer: Any, texts: Iterable[str], batch_size: int = 1024,
@@ -160,7 +209,8 @@ class IDFTable:
 
     def to_tensor(self, vocab_size: int | None = None) -> Tensor:
         """The (V,) float32 weight of every token id; ``vocab_size`` > V pads with the unseen-token weight."""
-        table = bm25_idf(self.document_frequency, self.n_documents)
+        idf = authors_idf if self.formula == AUTHORS_FORMULA else bm25_idf
+        table = idf(self.document_frequency, self.n_documents)
         if self.zero_ids:
             table[list(self.zero_ids)] = 0.0
         if vocab_size is not None and vocab_size != self.vocab_size:
@@ -196,7 +246,8 @@ class IDFTable:
         missing = [k for k in ("document_frequency", "n_documents", "zero_ids") if k not in state]
         if missing:
             raise ValueError(f"{path}: not an IDF table (missing {missing})")
-        if state.get("formula", FORMULA) != FORMULA:
-            raise ValueError(f"{path}: IDF formula {state['formula']!r} is not this version's {FORMULA!r}")
+        formula = state.get("formula", FORMULA)
+        if formula not in FORMULAS:
+            raise ValueError(f"{path}: IDF formula {formula!r} is not one of this version's {FORMULAS}")
         return cls(state["document_frequency"], int(state["n_documents"]), tuple(state["zero_ids"]),
-                   str(state.get("source", "")))
+                   str(state.get("source", "")), formula)

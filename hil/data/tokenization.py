@@ -3,8 +3,13 @@
 Choices (ColBERT v1, Khattab & Zaharia 2020, and the issue):
 - The marker tokens are the unused vocabulary entries ``[unused0]`` (query) and ``[unused1]`` (document), as in
   the original ColBERT; another tokenizer can name its own markers. A tokenizer without them is refused.
-- Queries are padded with ``[MASK]`` to exactly ``query_maxlen`` and the padding is *attended to* (query
-  augmentation); every query position takes part in scoring.
+- Queries are padded with ``[MASK]`` to exactly ``query_maxlen`` (query augmentation) and every query position
+  takes part in scoring. Whether the encoder *attends* to the ``[MASK]`` padding is ``attend_to_mask_tokens``:
+  False (the default) is ColBERT v1 (``QueryTokenizer.tensorize`` on the ``colbertv1`` branch of
+  stanford-futuredata/ColBERT replaces the padding ids by ``[MASK]`` but keeps the tokenizer's attention mask, 0
+  there; ColBERTv2 names this ``attend_to_mask_tokens=False``): each ``[MASK]`` output is a contextual vector
+  computed from the real tokens, but no token attends to a ``[MASK]``. True attends to them as well (ColBERTv2's
+  option, and this package before the setting existed).
 - Documents are truncated to ``doc_maxlen`` tokens in total (markers included), padded to the longest in the batch.
   Punctuation tokens stay in the encoder input but are dropped from scoring (``scoring_mask``), as ColBERT does.
 """
@@ -43,7 +48,8 @@ class ColBERTTokenizer:
     """Wraps a Hugging Face tokenizer with ColBERT's query/document conventions."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, query_maxlen: int = 32, doc_maxlen: int = 180,
-                 query_marker: str = QUERY_MARKER, doc_marker: str = DOC_MARKER, mask_punctuation: bool = True):
+                 query_marker: str = QUERY_MARKER, doc_marker: str = DOC_MARKER, mask_punctuation: bool = True,
+                 attend_to_mask_tokens: bool = False):
         if query_maxlen < 4 or doc_maxlen < 3:
             raise ValueError(f"query_maxlen must be >= 4 and doc_maxlen >= 3 (got {query_maxlen}, {doc_maxlen})")
         limit = getattr(tokenizer, "model_max_length", None) or 10**9
@@ -54,6 +60,7 @@ class ColBERTTokenizer:
         self.query_maxlen = query_maxlen
         self.doc_maxlen = doc_maxlen
         self.mask_punctuation = mask_punctuation
+        self.attend_to_mask_tokens = bool(attend_to_mask_tokens)
         self.query_marker_id = self._marker_id(query_marker, "query_marker")
         self.doc_marker_id = self._marker_id(doc_marker, "doc_marker")
         for name in ("cls_token_id", "sep_token_id", "pad_token_id", "mask_token_id"):
@@ -90,10 +97,11 @@ class ColBERTTokenizer:
     def encode_queries(self, texts: list[str]) -> TokenizedBatch:
         rows = self._encode(texts, self.query_marker_id, self.query_maxlen - 3)
         ids = torch.full((len(rows), self.query_maxlen), self.tokenizer.mask_token_id, dtype=torch.long)
+        attention = torch.ones_like(ids) if self.attend_to_mask_tokens else torch.zeros_like(ids)
         for i, row in enumerate(rows):
             ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-        ones = torch.ones_like(ids)
-        return TokenizedBatch(ids, ones, ones.bool())
+            attention[i, : len(row)] = 1
+        return TokenizedBatch(ids, attention, torch.ones_like(ids, dtype=torch.bool))
 
     def encode_documents(self, texts: list[str]) -> TokenizedBatch:
         rows = self._encode(texts, self.doc_marker_id, self.doc_maxlen - 3)
@@ -112,4 +120,4 @@ class ColBERTTokenizer:
         return {"query_maxlen": self.query_maxlen, "doc_maxlen": self.doc_maxlen,
                 "query_marker": self.tokenizer.convert_ids_to_tokens(self.query_marker_id),
                 "doc_marker": self.tokenizer.convert_ids_to_tokens(self.doc_marker_id),
-                "mask_punctuation": self.mask_punctuation}
+                "mask_punctuation": self.mask_punctuation, "attend_to_mask_tokens": self.attend_to_mask_tokens}

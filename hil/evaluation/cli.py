@@ -4,6 +4,8 @@ Examples:
     python evaluate.py --model runs/colbert/export --dataset scifact
     python evaluate.py --model sentence-transformers/all-MiniLM-L6-v2 --dataset scifact   # untrained head
     python evaluate.py --model last.ckpt --dataset nfcorpus --mode rerank
+    python evaluate.py --model M --dataset msmarco/dl19 --first-stage-run ../shared/data/msmarco/dl19/bm25-top100.trec \
+        --relevance-level 2                                  # TREC DL19: re-rank the official BM25 top 100
     python evaluate.py --model runs/colbert/export --dataset scifact --transform whitening   # + post-hoc whitening
     python evaluate.py --model M --dataset scifact --transform "whitening:k=64" --transform "remove-pcs:n_components=1"
     python evaluate.py --model runs/colbert/export --dataset scifact --encode-documents onnx-int8   # fast CPU indexing
@@ -11,12 +13,19 @@ Examples:
 With --transform, the model is evaluated as is and with each post-hoc transform (fitted on the corpus tokens of the
 base index, saved as transform_<head>.pt in the derived index folder); metrics.json then also holds bootstrap
 intervals and paired tests of every run against the untransformed model (and BM25).
+
+With --first-stage-run, the candidates are a TREC run file's (each query's best --rerank-depth documents by score,
+all of them by default); the run itself, scored as given, is the baseline row instead of BM25; the dataset's qrels
+may then judge documents outside its corpus (a re-ranking set), and are kept with a warning giving their count
+(recorded in metrics.json). A run that is missing, malformed, or names a query or document the dataset lacks is a
+one-line error naming file and line (exit status 2).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,8 +34,9 @@ import faiss
 import torch
 
 from hil.data.beir import BeirDataset, load_beir
-from hil.evaluation.evaluate import (Evaluation, EvaluationSettings, evaluate, evaluate_bm25, evaluate_transformed,
-                                     first_stage)
+from hil.data.errors import DataFormatError
+from hil.evaluation.evaluate import (Evaluation, EvaluationSettings, evaluate, evaluate_bm25, evaluate_run_file,
+                                     evaluate_transformed, first_stage, subset_with_first_stage)
 from hil.evaluation.results import evaluation_statistics, format_statistics, format_table, write_results
 from hil.modeling.contracts import Encoder
 from hil.modeling.hil import HILEncoder
@@ -44,13 +54,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dataset", required=True, help="BEIR name (under HIL_DATA_DIR, else the hub) or folder")
     parser.add_argument("--split", default="test")
     parser.add_argument("--data-dir", default=None, help="overrides HIL_DATA_DIR")
-    parser.add_argument("--mode", choices=("full", "rerank", "exhaustive", "bm25"), default="full",
-                        help="full ranking through the index's back-end (default), re-ranking BM25's top "
-                             "--rerank-depth, exhaustive exact scoring of every document, or BM25 alone")
+    parser.add_argument("--mode", choices=("full", "rerank", "exhaustive", "bm25"), default=None,
+                        help="full ranking through the index's back-end (default), re-ranking the first stage's top "
+                             "--rerank-depth (default with --first-stage-run), exhaustive exact scoring of every "
+                             "document (of the candidates, with --first-stage-run), or BM25 alone")
+    parser.add_argument("--first-stage-run", default=None, metavar="PATH",
+                        help="a TREC run file (qid Q0 docid rank score tag) whose documents are re-ranked instead of "
+                             "BM25's, e.g. ../shared/data/msmarco/dl19/bm25-top100.trec; it is the baseline row")
     parser.add_argument("--no-bm25", action="store_true", help="skip the BM25 baseline row")
     parser.add_argument("--k", type=int, default=1000, help="documents kept per query")
     parser.add_argument("--ncandidates", type=int, default=None, help="FAISS neighbours per query token")
-    parser.add_argument("--rerank-depth", type=int, default=100)
+    parser.add_argument("--rerank-depth", type=int, default=None,
+                        help="candidates re-ranked per query (default: BM25's top 100, or every document of "
+                             "--first-stage-run)")
+    parser.add_argument("--relevance-level", type=int, default=1,
+                        help="lowest grade binary metrics (recall, MAP, MRR, P) count as relevant; TREC DL uses 2. "
+                             "nDCG always uses the grades")
     parser.add_argument("--faiss", choices=BACKEND_KINDS, default="flat", help="the index's search back-end")
     parser.add_argument("--faiss-params", type=json.loads, default=None,
                         help='JSON, e.g. \'{"nlist": 1024, "m": 16, "nbits": 8, "nprobe": 16}\'')
@@ -73,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     parser.add_argument("--idf", choices=("model", "corpus"), default="model",
                         help="ColBERT-HIL query-term IDF: the table stored with the model (default), or recomputed on "
-                             "the evaluated corpus (the index is then keyed to that IDF)")
+                             "the evaluated dataset: its corpus, or its queries for a model with the authors' IDF "
+                             "formula (the index is then keyed to that IDF)")
     parser.add_argument("--transform", action="append", default=[], metavar="SPEC",
                         help='post-hoc transform of the heads\' vectors, e.g. "whitening", "whitening:k=64", '
                              '"remove-pcs:n_components=1", "standardize", "nice" (repeatable; the untransformed '
@@ -93,7 +113,7 @@ def settings_from(args: argparse.Namespace) -> EvaluationSettings:
     return EvaluationSettings(
         mode="full" if args.mode == "bm25" else args.mode, k=args.k, drop_self_matches=not args.keep_self_matches,
         index_root=args.index_root, backend=args.faiss, backend_params=args.faiss_params,
-        ncandidates=args.ncandidates, rerank_depth=args.rerank_depth, batch_size=args.batch_size,
+        ncandidates=args.ncandidates, rerank_depth=args.rerank_depth or 100, batch_size=args.batch_size,
         document_encoding=None if args.encode_documents == "fp32" else args.encode_documents,
         progress=not args.quiet)
 
@@ -109,16 +129,20 @@ def load_model(args: argparse.Namespace, dataset: BeirDataset) -> Encoder:
         if not isinstance(encoder, HILEncoder):
             raise SystemExit(f"evaluate.py: --idf corpus needs a model with IDF weights (ColBERT-HIL); "
                              f"{args.model} is {encoder.architecture}")
-        encoder.set_idf_from_texts(dataset.documents(), source=f"{dataset.name} corpus ({dataset.split})")
+        if encoder.idf_from_queries:  # the HIL authors' IDF is taken over the target dataset's queries
+            encoder.set_idf_from_texts(list(dataset.queries.values()),
+                                       source=f"{dataset.name} queries ({dataset.split})")
+        else:
+            encoder.set_idf_from_texts(dataset.documents(), source=f"{dataset.name} corpus ({dataset.split})")
     return encoder
 
 
-def evaluate_model(args: argparse.Namespace, dataset: BeirDataset, bm25: Evaluation | None
+def evaluate_model(args: argparse.Namespace, dataset: BeirDataset, candidates: dict[str, list[str]] | None
                    ) -> tuple[list[Evaluation], dict[str, Any]]:
-    """The model as is and under each ``--transform``; what each run was (source, settings, fingerprint)."""
+    """The model as is and under each ``--transform``, over ``candidates`` when given; what each run was (source,
+    settings, fingerprint)."""
     encoder = load_model(args, dataset)
     settings = settings_from(args)
-    candidates = first_stage(bm25, args.rerank_depth) if args.mode == "rerank" else None
     evaluations, models = [], {}
     with torch.inference_mode():
         evaluations.append(evaluate(encoder, dataset, settings, candidates=candidates))
@@ -134,29 +158,70 @@ def evaluate_model(args: argparse.Namespace, dataset: BeirDataset, bm25: Evaluat
     return evaluations, models
 
 
+def check_arguments(args: argparse.Namespace) -> str | None:
+    """What is wrong with the combination of arguments, or None; fills in the default ``--mode``."""
+    if args.mode is None:
+        args.mode = "rerank" if args.first_stage_run else "full"
+    if args.mode == "bm25" and args.transform:
+        return "--transform needs a model (not --mode bm25)"
+    if args.first_stage_run and args.mode not in ("rerank", "exhaustive"):
+        return f"--first-stage-run gives candidates to re-rank: it needs --mode rerank or exhaustive, not {args.mode}"
+    if args.rerank_depth is not None and args.rerank_depth < 1:
+        return f"--rerank-depth must be >= 1 (got {args.rerank_depth})"
+    if args.relevance_level < 1:
+        return f"--relevance-level must be >= 1 (got {args.relevance_level})"
+    return None
+
+
+def load_data(args: argparse.Namespace) -> tuple[BeirDataset, Evaluation | None, dict[str, list[str]] | None]:
+    """The dataset (sliced as asked), the first-stage run file scored on it, and that run's candidates."""
+    outside = "keep" if args.first_stage_run else "error"  # a re-ranking set: judgments beyond its corpus count
+    dataset = load_beir(args.dataset, split=args.split, data_dir=args.data_dir, judged_outside_corpus=outside,
+                        relevance_level=args.relevance_level)
+    first = None
+    if args.first_stage_run:  # checked against the whole dataset, then sliced with it
+        first = evaluate_run_file(args.first_stage_run, dataset, drop_self_matches=not args.keep_self_matches)
+        first.details["rerank_depth"] = args.rerank_depth or first.details["depth"]
+    dataset, first, candidates = subset_with_first_stage(
+        dataset, first, args.max_queries or None, args.max_docs or None, seed=args.seed, depth=args.rerank_depth,
+        drop_self_matches=not args.keep_self_matches)
+    if first is not None and len(first.run) < len(dataset.queries):
+        logging.getLogger(__name__).warning("%s: %d of %d judged queries have no document in the run (they score 0)",
+                                            args.first_stage_run, len(dataset.queries) - len(first.run),
+                                            len(dataset.queries))
+    return dataset, first, candidates
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    problem = check_arguments(args)
+    if problem:
+        print(f"evaluate.py: error: {problem}", file=sys.stderr)
+        return 2
     if args.threads:
         torch.set_num_threads(args.threads)
         faiss.omp_set_num_threads(args.threads)
-    if args.mode == "bm25" and args.transform:
-        raise SystemExit("evaluate.py: --transform needs a model (not --mode bm25)")
-    dataset = load_beir(args.dataset, split=args.split, data_dir=args.data_dir)
-    if args.max_queries or args.max_docs:
-        dataset = dataset.subset(args.max_queries, args.max_docs, seed=args.seed)
-    evaluations: list[Evaluation] = []
+    try:
+        dataset, first, candidates = load_data(args)
+    except (DataFormatError, FileNotFoundError) as error:  # a bad or missing data or run file: one line
+        print(f"evaluate.py: error: {error}", file=sys.stderr)
+        return 2
+    evaluations: list[Evaluation] = [first] if first is not None else []
     models: dict[str, Any] = {}
     bm25 = None
-    if not args.no_bm25 or args.mode in ("rerank", "bm25"):
-        bm25 = evaluate_bm25(dataset, k=max(args.k, args.rerank_depth), drop_self_matches=not args.keep_self_matches)
+    if first is None and (not args.no_bm25 or args.mode in ("rerank", "bm25")):
+        depth = args.rerank_depth or 100
+        bm25 = evaluate_bm25(dataset, k=max(args.k, depth), drop_self_matches=not args.keep_self_matches)
         evaluations.append(bm25)
+        candidates = first_stage(bm25, depth) if args.mode == "rerank" else None
     if args.mode != "bm25":
-        model_evaluations, models = evaluate_model(args, dataset, bm25)
+        model_evaluations, models = evaluate_model(args, dataset, candidates)
         evaluations += model_evaluations
+    baseline = first or bm25
     statistics = None
     if not args.no_stats and evaluations:
-        model_runs = [e.name for e in evaluations if e.name != "bm25"]
-        pairs = [(name, "bm25") for name in model_runs if bm25 is not None]
+        model_runs = [e.name for e in evaluations if e is not baseline]
+        pairs = [(name, baseline.name) for name in model_runs if baseline is not None]
         pairs += [(name, model_runs[0]) for name in model_runs[1:]]  # each transform vs the plain model
         statistics = evaluation_statistics(evaluations, metrics=("ndcg@10", "mrr@10", "recall@100"), pairs=pairs,
                                            n_bootstrap=args.bootstrap_samples, seed=args.seed)

@@ -4,7 +4,8 @@
 
     full        the index's back-end proposes candidates (FAISS over document tokens, or PLAID centroids), every
                 candidate is scored by exact late interaction, top-k per query (the paper's setting)
-    rerank      exact late interaction over given candidates per query (e.g. BM25's top 100)
+    rerank      exact late interaction over given candidates per query (e.g. BM25's top 100, or any first stage
+                given as a TREC run file: ``evaluate_run_file`` scores it, ``first_stage`` takes its candidates)
     exhaustive  every query against every document (full ranking without a first-stage approximation); with
                 ``candidates`` only those are ranked; ``keep_head_scores`` keeps each head's dense score matrix
 
@@ -26,6 +27,7 @@ import numpy as np
 from hil.data.beir import BeirDataset
 from hil.data.bm25 import bm25_run
 from hil.evaluation.metrics import DEFAULT_METRICS, evaluate_run
+from hil.evaluation.runs import candidates_from_run, read_trec_run, run_depth
 from hil.modeling.contracts import EncodedBatch, Encoder
 from hil.retrieval.builder import open_or_build_index
 from hil.retrieval.encoding import encode_document_tokens, eval_mode
@@ -110,9 +112,20 @@ class Evaluation:
 
 def score_run(name: str, dataset: BeirDataset, run: Run, metrics: Sequence[str] = DEFAULT_METRICS,
               drop_self_matches: bool = True, **details: Any) -> Evaluation:
-    """A run measured against the dataset's qrels."""
-    aggregate, per_query = evaluate_run(dataset.qrels, run, metrics, drop_self_matches=drop_self_matches)
+    """A run measured against the dataset's qrels (binary metrics at the dataset's ``relevance_level``)."""
+    aggregate, per_query = evaluate_run(dataset.qrels, run, metrics, drop_self_matches=drop_self_matches,
+                                        relevance_level=dataset.relevance_level)
     return Evaluation(name, run, aggregate, per_query, details)
+
+
+def evaluate_run_file(path: str | Path, dataset: BeirDataset, metrics: Sequence[str] = DEFAULT_METRICS,
+                      drop_self_matches: bool = True, name: str | None = None) -> Evaluation:
+    """A first stage given as a TREC run file (e.g. TREC DL's ``bm25-top100.trec``), checked against the dataset
+    (every query judged, every document in the corpus: :func:`~hil.evaluation.runs.read_trec_run`) and scored as
+    it is: the baseline row of a re-ranking. ``name`` defaults to the file's stem."""
+    run = read_trec_run(path, queries=dataset.queries, documents=dataset.corpus)
+    return score_run(name or run_name(Path(path).stem), dataset, run, metrics, drop_self_matches,
+                     mode="first-stage", run_file=str(path), depth=run_depth(run))
 
 
 def evaluate_bm25(dataset: BeirDataset, k: int = 1000, metrics: Sequence[str] = DEFAULT_METRICS,
@@ -124,9 +137,26 @@ def evaluate_bm25(dataset: BeirDataset, k: int = 1000, metrics: Sequence[str] = 
                      search_seconds=round(time.perf_counter() - started, 3))
 
 
-def first_stage(evaluation: Evaluation, depth: int) -> dict[str, list[str]]:
-    """Each query's top ``depth`` documents of a run (e.g. BM25's), best first: the candidates to re-rank."""
-    return {qid: sorted(docs, key=docs.get, reverse=True)[:depth] for qid, docs in evaluation.run.items()}
+def subset_with_first_stage(dataset: BeirDataset, first: Evaluation | None, n_queries: int | None,
+                            n_docs: int | None, seed: int, depth: int | None, drop_self_matches: bool = True,
+                            ) -> tuple[BeirDataset, Evaluation | None, dict[str, list[str]] | None]:
+    """A slice of ``dataset`` (:meth:`~hil.data.beir.BeirDataset.subset`; none when both sizes are None) that keeps
+    the kept queries' first-stage candidates (``first``'s top ``depth``, all when None), the first stage scored on
+    the slice, and those candidates."""
+    candidates = first_stage(first, depth) if first is not None else None
+    if n_queries is not None or n_docs is not None:
+        dataset = dataset.subset(n_queries, n_docs, seed=seed, candidates=candidates)
+    if first is None:
+        return dataset, None, None
+    kept = {qid: first.run[qid] for qid in dataset.queries if qid in first.run}
+    first = score_run(first.name, dataset, kept, tuple(first.aggregate), drop_self_matches, **first.details)
+    return dataset, first, {qid: candidates[qid] for qid in kept}
+
+
+def first_stage(evaluation: Evaluation, depth: int | None) -> dict[str, list[str]]:
+    """Each query's top ``depth`` documents (all when None) of a run (BM25's, a run file's), best first in
+    trec_eval's order (ties by document id, descending): the candidates to re-rank."""
+    return candidates_from_run(evaluation.run, depth)
 
 
 def run_name(text: str) -> str:

@@ -5,7 +5,7 @@ Metric names and the trec_eval measure behind each:
 =================  =====================================================================================
 ``ndcg@k``         ``ndcg_cut.k``: gain = graded relevance (not ``2^rel - 1``; as BEIR), discount
                    ``log2(rank + 1)``, ideal ranking from all judged documents of the query.
-``recall@k``       ``recall.k``: relevant documents (rel > 0) in the top k / all relevant documents.
+``recall@k``       ``recall.k``: relevant documents in the top k / all relevant documents.
 ``p@k``            ``P.k``.
 ``success@k``      ``success.k``: 1 if any relevant document is in the top k (the "top-K accuracy" of 004).
 ``map``            ``map`` (full list); ``map@k`` is ``map_cut.k``.
@@ -15,6 +15,13 @@ Metric names and the trec_eval measure behind each:
 ``mrr``            ``recip_rank`` on the full run.
 ``ndcg``           ``ndcg`` (no cutoff).
 =================  =====================================================================================
+
+Relevance levels: nDCG uses the graded judgments as gains, whatever the level. Every binary metric (recall, P,
+success, MAP, MRR) counts a document as relevant when its grade is at least ``relevance_level``: 1 by default
+(trec_eval's ``-l 1``, BEIR's convention), 2 for TREC DL, whose guidelines binarize grades 2 and 3 as relevant (as
+``trec_eval -l 2`` in the published DL figures). :func:`hil.evaluation.evaluate.score_run` takes it from the dataset
+(``BeirDataset.relevance_level``). Judgments of documents no run could retrieve (outside a re-ranking set's corpus)
+still count: in the ideal DCG and in the number of relevant documents, as in trec_eval.
 
 Conventions (documented choices):
 
@@ -113,15 +120,18 @@ def _clean_run(run: Mapping[str, Mapping[str, float]], judged: Iterable[str], dr
 
 def evaluate_run(qrels: Mapping[str, Mapping[str, int]], run: Mapping[str, Mapping[str, float]],
                  metrics: Iterable[str] = DEFAULT_METRICS, drop_self_matches: bool = True,
-                 missing_queries: Literal["zero", "ignore"] = "zero",
+                 missing_queries: Literal["zero", "ignore"] = "zero", relevance_level: int = 1,
                  ) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
-    """Evaluate ``run`` against ``qrels`` with pytrec_eval; see the module docstring for names and conventions.
+    """Evaluate ``run`` against ``qrels`` with pytrec_eval; see the module docstring for names and conventions
+    (``relevance_level``: the lowest grade binary metrics count as relevant).
 
     Returns ``(aggregate, per_query)``: ``aggregate[metric]`` is the mean over evaluated queries (NaN if none),
     ``per_query[qid][metric]`` the per-query values, keyed by the metric names as given (lower-cased).
     """
     if missing_queries not in ("zero", "ignore"):
         raise ValueError(f"missing_queries must be 'zero' or 'ignore', got {missing_queries!r}")
+    if isinstance(relevance_level, bool) or not isinstance(relevance_level, int) or relevance_level < 1:
+        raise ValueError(f"relevance_level must be an integer >= 1, got {relevance_level!r}")
     names = [m.strip().lower() for m in metrics]
     if not names:
         raise ValueError("no metrics requested")
@@ -147,12 +157,15 @@ def evaluate_run(qrels: Mapping[str, Mapping[str, int]], run: Mapping[str, Mappi
             full_measures.add(f"{measure}.{k}")
             plan[name] = (None, f"{key}_{k}")
 
+    def evaluator(measures: set[str]) -> pytrec_eval.RelevanceEvaluator:
+        return pytrec_eval.RelevanceEvaluator(qrels, measures, relevance_level=relevance_level)
+
     raw: dict[int | None, dict[str, dict[str, float]]] = {}
     if run:
         if full_measures:
-            raw[None] = pytrec_eval.RelevanceEvaluator(qrels, full_measures).evaluate(run)
+            raw[None] = evaluator(full_measures).evaluate(run)
         for k in mrr_cutoffs:
-            raw[k] = pytrec_eval.RelevanceEvaluator(qrels, {"recip_rank"}).evaluate(top_k(run, k))
+            raw[k] = evaluator({"recip_rank"}).evaluate(top_k(run, k))
 
     per_query: dict[str, dict[str, float]] = {}
     for qid in qrels:

@@ -109,6 +109,16 @@ def format_statistics(statistics: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def dataset_record(dataset: BeirDataset) -> dict[str, Any]:
+    """What a results file says of the dataset it measured: identity, size, and the qrels conventions that shape
+    its numbers (judgments of documents outside the corpus, kept as trec_eval counts them; the relevance level of
+    the binary metrics)."""
+    return {"name": dataset.name, "split": dataset.split, "source": dataset.source,
+            "fingerprint": dataset.fingerprint(), "documents": len(dataset.corpus), "queries": len(dataset.queries),
+            "judgments": sum(map(len, dataset.qrels.values())),
+            "judged_outside_corpus": dataset.judged_outside_corpus, "relevance_level": dataset.relevance_level}
+
+
 def write_results(directory: str | Path, dataset: BeirDataset, evaluations: list[Evaluation],
                   settings: dict[str, Any], models: dict[str, Any],
                   statistics: dict[str, Any] | None = None) -> Path:
@@ -120,9 +130,7 @@ def write_results(directory: str | Path, dataset: BeirDataset, evaluations: list
         write_trec_run(directory / f"{evaluation.name}.trec", evaluation.run, tag=evaluation.name)
     write_json_atomic(directory / "per_query.json", {e.name: e.per_query for e in evaluations})
     record = provenance(settings,
-                        dataset={"name": dataset.name, "split": dataset.split, "source": dataset.source,
-                                 "fingerprint": dataset.fingerprint(), "documents": len(dataset.corpus),
-                                 "queries": len(dataset.queries)},
+                        dataset=dataset_record(dataset),
                         models=models,
                         results={e.name: {"metrics": e.aggregate,
                                           **{k: v for k, v in e.details.items() if k != "sources"}}

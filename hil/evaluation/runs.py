@@ -7,6 +7,10 @@ descending and then, among equal scores, by document id descending (``strcmp(b, 
 ``form_res_rels.c``; pytrec_eval compiles the same code — checked in tests/test_eval_metrics.py). trec_eval
 ignores the rank column of a run file and re-sorts, so writing and truncating runs in this order keeps the rank
 column, ``top_k`` and every metric consistent with each other.
+
+A first stage given as a run file (``evaluate.py --first-stage-run``): :func:`read_trec_run` with the dataset's
+queries and documents checks that the run belongs to the dataset, and :func:`candidates_from_run` takes each query's
+best ``depth`` documents in that same order (the rank column is ignored, as trec_eval ignores it).
 """
 
 from __future__ import annotations
@@ -15,8 +19,10 @@ import heapq
 import math
 import os
 from pathlib import Path
-from typing import Mapping
+from typing import Container, Mapping
 
+from hil.data.beir import iter_text_lines
+from hil.data.errors import DataFormatError
 from hil.provenance import atomic_output
 
 Run = dict[str, dict[str, float]]
@@ -74,33 +80,51 @@ def write_trec_run(path: str | os.PathLike, run: Mapping[str, Mapping[str, float
     return Path(path)
 
 
-def read_trec_run(path: str | os.PathLike) -> Run:
-    """Read a TREC run file into ``{qid: {docid: score}}``.
+def read_trec_run(path: str | os.PathLike, queries: Container[str] | None = None,
+                  documents: Container[str] | None = None) -> Run:
+    """Read a TREC run file (``.gz`` too) into ``{qid: {docid: score}}``.
 
     The ``Q0`` and rank columns are not checked (trec_eval ignores them too); blank lines are skipped. A row
-    without six fields, a score that is not a number (or is NaN), or a document listed twice for the same
-    query raises ``ValueError`` naming the file and line.
+    without six fields, a score that is not a number (or is NaN), a document listed twice for the same query, and,
+    when ``queries`` / ``documents`` are given, a query id or document id not among them (a run of another dataset:
+    a re-ranker cannot score a document it has no text for) raise :class:`~hil.data.errors.DataFormatError` (a
+    ``ValueError``) naming the file and line; a missing file raises ``FileNotFoundError`` naming it.
     """
     path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such run file")
     run: Run = {}
-    with open(path, encoding="utf-8") as handle:
-        for line_no, line in enumerate(handle, start=1):
-            fields = line.split()
-            if not fields:
-                continue
-            where = f"{path}:{line_no}"
-            if len(fields) != 6:
-                raise ValueError(f"{where}: expected 6 fields 'qid Q0 docid rank score tag', got {len(fields)}: "
-                                 f"{line.rstrip()!r}")
-            qid, _, docid, _, score_text, _ = fields
-            try:
-                score = float(score_text)
-            except ValueError:
-                raise ValueError(f"{where}: score {score_text!r} is not a number") from None
-            if math.isnan(score):
-                raise ValueError(f"{where}: score is NaN")
-            docs = run.setdefault(qid, {})
-            if docid in docs:
-                raise ValueError(f"{where}: document {docid!r} appears twice for query {qid!r}")
-            docs[docid] = score
+    for line_no, line in iter_text_lines(path):
+        fields = line.split()
+        if len(fields) != 6:
+            raise DataFormatError(path, line_no, f"expected 6 fields 'qid Q0 docid rank score tag', got "
+                                                 f"{len(fields)}: {line.rstrip()!r}")
+        qid, _, docid, _, score_text, _ = fields
+        try:
+            score = float(score_text)
+        except ValueError:
+            raise DataFormatError(path, line_no, f"score {score_text!r} is not a number") from None
+        if math.isnan(score):
+            raise DataFormatError(path, line_no, "score is NaN")
+        if queries is not None and qid not in queries:
+            raise DataFormatError(path, line_no, f"query id {qid!r} is not among the dataset's judged queries")
+        if documents is not None and docid not in documents:
+            raise DataFormatError(path, line_no, f"document id {docid!r} (query {qid!r}) is not in the corpus")
+        docs = run.setdefault(qid, {})
+        if docid in docs:
+            raise DataFormatError(path, line_no, f"document {docid!r} appears twice for query {qid!r}")
+        docs[docid] = score
     return run
+
+
+def candidates_from_run(run: Mapping[str, Mapping[str, float]], depth: int | None = None) -> dict[str, list[str]]:
+    """Each query's best ``depth`` documents (all when None), best first in trec_eval's order: what a re-ranker
+    scores. Queries without documents are left out."""
+    if depth is not None and depth < 1:
+        raise ValueError(f"depth must be >= 1, got {depth}")
+    return {str(qid): [docid for docid, _ in ranked(docs, depth)] for qid, docs in run.items() if docs}
+
+
+def run_depth(run: Mapping[str, Mapping[str, float]]) -> int:
+    """The most documents any query of ``run`` has (0 for an empty run)."""
+    return max((len(docs) for docs in run.values()), default=0)

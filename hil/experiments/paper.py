@@ -10,9 +10,10 @@ Stages, each skipped when its output already exists (a rerun resumes; ``--force`
    same budget for all (:class:`~hil.experiments.profiles.Profile`), exported to ``train/<variant>/export``;
    the export is written under a temporary name and renamed when training succeeded, so a killed run retrains
    that variant from the start;
-2. evaluate every model on every dataset: BM25; exact late interaction of every query against every document
+2. evaluate every model on every dataset: BM25 (on TREC DL19 the official BM25 run, ``bm25-top100.trec``, scored
+   as given: nDCG@10 0.5058 on the whole set); exact late interaction of every query against every document
    (``full``: the top ``k`` of the whole corpus, i.e. full ranking without first-stage approximation; ``rerank``:
-   BM25's top ``rerank_depth`` re-scored, DL19); each head's score matrix is kept so that ColBERT-lambda is the
+   that run's top ``rerank_depth`` re-scored, DL19); each head's score matrix is kept so that ColBERT-lambda is the
    sum of its trained members' matrices (no re-encoding) and Fig. 3 counts the documents each head puts in its
    own top ``overlap_depth``; InterIso of each head over (query, most relevant document) pairs (Table 3);
 3. write ``report.md`` (tables with bootstrap intervals and paired tests against ColBERT), ``summary.json`` and
@@ -44,13 +45,15 @@ import torch
 
 from hil.analysis.overlap import overlap_shares
 from hil.data.beir import BeirDataset
-from hil.evaluation.evaluate import Evaluation, EvaluationSettings, evaluate, evaluate_bm25, score_run
+from hil.evaluation.evaluate import Evaluation, EvaluationSettings, evaluate, evaluate_bm25, first_stage, score_run
 from hil.evaluation.runs import write_trec_run
-from hil.experiments.profiles import CORPUS_IDF, DATASETS, ENSEMBLES, PROFILES, REPO_CONFIGS, VARIANTS, Profile
-from hil.experiments.records import load_dataset, load_results, summarize
+from hil.experiments.profiles import (CORPUS_IDF, DATASETS, DEFAULT_VARIANTS, ENSEMBLES, PROFILES, REPO_CONFIGS,
+                                      VARIANTS, Profile)
+from hil.experiments.records import load_dataset, load_results, other_data, summarize
 from hil.experiments.report import write_report
 from hil.isotropy.metrics import inter_iso
 from hil.modeling.encoder import CONFIG_NAME
+from hil.modeling.hil import HILEncoder
 from hil.modeling.loading import load_encoder
 from hil.provenance import atomic_output, provenance, write_json_atomic
 from hil.modeling.contracts import Encoder
@@ -164,8 +167,18 @@ def backfill_module_metrics(folder: Path, name: str, dataset: BeirDataset, mode:
 
 
 def _metrics_record(dataset: BeirDataset, evaluation: Evaluation, **extra: Any) -> dict[str, Any]:
-    return {"model": evaluation.name, "dataset": dataset.name, "metrics": evaluation.aggregate,
-            "per_query": evaluation.per_query, **extra}
+    return {"model": evaluation.name, "dataset": dataset.name, "dataset_fingerprint": dataset.fingerprint(),
+            "judged_outside_corpus": dataset.judged_outside_corpus, "relevance_level": dataset.relevance_level,
+            "metrics": evaluation.aggregate, "per_query": evaluation.per_query, **extra}
+
+
+def _stale(path: Path, dataset: BeirDataset) -> bool:
+    """Whether a finished evaluation measured other data (another dataset version, e.g. the old DL19 pool)."""
+    if not path.is_file():
+        return False
+    record = json.loads(path.read_text())
+    return record.get("dataset") != dataset.name or record.get("dataset_fingerprint", dataset.fingerprint()) != \
+        dataset.fingerprint()
 
 
 def pair_inter_iso(encoder: Encoder, evaluation: Evaluation, pairs: list[tuple[str, str]]) -> dict[str, float]:
@@ -186,14 +199,17 @@ def evaluate_model(name: str, source: str, key: str, dataset: BeirDataset, profi
     """Score every query against every document (``hil.evaluation.evaluate``, exhaustive, each head's matrix
     kept), rank (all documents, or BM25's candidates for re-ranking), measure; writes ``eval/<key>/<name>.*``.
 
-    ``corpus_idf``: recompute the model's query-term IDF on this dataset's documents first (ColBERT-HIL).
+    ``corpus_idf``: recompute the model's query-term IDF on this dataset first (ColBERT-HIL): on its documents, or
+    on its queries for a model whose IDF formula is the authors' (taken over queries).
     """
     mode, _ = DATASETS[key]
     folder = out / "eval" / key
     folder.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(profile.seed)
     encoder = load_encoder(source)
-    if corpus_idf:
+    if corpus_idf and isinstance(encoder, HILEncoder) and encoder.idf_from_queries:
+        encoder.set_idf_from_texts(list(dataset.queries.values()), source=f"{dataset.name} queries")
+    elif corpus_idf:
         encoder.set_idf_from_texts(dataset.documents(), source=f"{dataset.name} corpus")
     settings = EvaluationSettings(mode="exhaustive", k=profile.k, index_root=None, keep_head_scores=True,
                                   batch_size=profile.encode_batch_size, progress=False)
@@ -265,7 +281,7 @@ def _done(path: Path, force: bool) -> bool:
 def run_profile(profile: Profile, out: Path, *, variants: list[str] | None = None,
                 datasets: list[str] | None = None, force: bool = False, command: str = "") -> Path:
     """Every stage for ``profile`` into ``out``; returns the report path."""
-    variants = variants or list(VARIANTS)
+    variants = variants or list(DEFAULT_VARIANTS)
     datasets = datasets or list(DATASETS)
     unknown = sorted(set(variants) - set(VARIANTS)) + sorted(set(datasets) - set(DATASETS))
     if unknown:
@@ -277,22 +293,24 @@ def run_profile(profile: Profile, out: Path, *, variants: list[str] | None = Non
     exports = {name: train_variant(name, profile, out, force) for name in variants}
     ensembles = {name: spec for name, spec in ENSEMBLES.items() if spec[0] in exports and spec[1] in exports}
     for key in datasets:
-        dataset = load_dataset(key, profile)
+        dataset, given = load_dataset(key, profile)
         folder = out / "eval" / key
         folder.mkdir(parents=True, exist_ok=True)
-        if _done(folder / "bm25.json", force):
+        redo = force or _stale(folder / "bm25.json", dataset)
+        if redo and not force:
+            log(f"evaluations on {key} measured other data ({folder / 'bm25.json'}): redone")
+        if _done(folder / "bm25.json", redo):
             bm25 = json.loads((folder / "bm25.json").read_text())
-        else:
-            depth = profile.rerank_depth if DATASETS[key][0] == "rerank" else profile.k
-            evaluation = evaluate_bm25(dataset, k=max(depth, profile.k))
-            bm25 = _metrics_record(dataset, evaluation, mode="bm25",
-                                   run_top={q: sorted(d, key=d.get, reverse=True)[: profile.rerank_depth]
-                                            for q, d in evaluation.run.items()})
+        else:  # a re-ranking set's given first stage, else BM25 over the corpus
+            evaluation = given or evaluate_bm25(dataset, k=max(profile.rerank_depth, profile.k))
+            bm25 = _metrics_record(dataset, evaluation, mode=evaluation.details["mode"],
+                                   run_file=evaluation.details.get("run_file"),
+                                   run_top=first_stage(evaluation, profile.rerank_depth))
             write_trec_run(folder / "bm25.trec", evaluation.run, tag="bm25")
             write_json_atomic(folder / "bm25.json", bm25)
         candidates = bm25["run_top"] if DATASETS[key][0] == "rerank" else None
         for name, export in exports.items():
-            if _done(folder / f"{name}.json", force):
+            if _done(folder / f"{name}.json", redo):
                 backfill_module_metrics(folder, name, dataset, DATASETS[key][0], candidates, profile.k)
                 continue
             log(f"evaluate {name} on {key} ({len(dataset.queries)} queries, {len(dataset.corpus)} documents)")
@@ -301,7 +319,7 @@ def run_profile(profile: Profile, out: Path, *, variants: list[str] | None = Non
             log(f"  nDCG@10 {record['metrics']['ndcg@10']:.4f}, InterIso {record['inter_iso']}, "
                 f"encode {record['timings']['encode_s']:.0f} s, score {record['timings']['score_s']:.0f} s")
         for name, (base, _) in CORPUS_IDF.items():
-            if base in exports and _done(folder / f"{name}.json", force):
+            if base in exports and _done(folder / f"{name}.json", redo):
                 backfill_module_metrics(folder, name, dataset, DATASETS[key][0], candidates, profile.k)
             elif base in exports:
                 log(f"evaluate {name} on {key}")
@@ -309,7 +327,7 @@ def run_profile(profile: Profile, out: Path, *, variants: list[str] | None = Non
                                         figures=False, corpus_idf=True)
                 log(f"  nDCG@10 {record['metrics']['ndcg@10']:.4f}, InterIso {record['inter_iso']}")
         for name, (iso, aniso, _) in ensembles.items():
-            if not _done(folder / f"{name}.json", force):
+            if not _done(folder / f"{name}.json", redo):
                 record = evaluate_ensemble(name, (iso, aniso), key, dataset, profile, out, candidates)
                 log(f"evaluate {name} on {key}: nDCG@10 {record['metrics']['ndcg@10']:.4f}")
     report = write_outputs(out, profile, command=command, elapsed_s=time.perf_counter() - started)
@@ -321,6 +339,17 @@ def write_outputs(out: Path, profile: Profile, *, command: str = "", elapsed_s: 
     """``summary.json`` (every number, :func:`hil.experiments.records.summarize`) and ``report.md`` (rendered from
     it, with the figures) from the files the run left. -> the report path."""
     results = load_results(out)
+    names = {}
+    for key in results:
+        try:
+            names[key] = load_dataset(key, profile)[0].name
+        except (OSError, ValueError):
+            continue
+    stale = other_data(results, names)
+    if stale:
+        raise ExperimentError(f"{out}: {len(stale)} evaluations measured other data than today's datasets "
+                              f"({', '.join(stale[:3])}{', ...' if len(stale) > 3 else ''}); rerun the experiment, "
+                              "which redoes them")
     summary = summarize(out, results, profile, command=command, elapsed_s=elapsed_s)
     report = write_report(out, profile, summary, results)
     write_json_atomic(out / "summary.json", summary)

@@ -27,8 +27,8 @@ import yaml
 REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 BASE_CONFIG = "colbert.yaml"
 
-# name -> (delta file under configs/variants, or None for the base config itself; label in the tables)
-VARIANTS: dict[str, tuple[str | None, str]] = {
+# name -> (delta file(s) under configs/variants, stacked in order, or None for the base config itself; label)
+VARIANTS: dict[str, tuple[str | tuple[str, ...] | None, str]] = {
     "colbert": (None, "ColBERT"),
     "cosreg": ("colbert_cosreg_iso", "ColBERT-cosreg"),
     "istar": ("colbert_istar_iso", "ColBERT-istar"),
@@ -38,20 +38,48 @@ VARIANTS: dict[str, tuple[str | None, str]] = {
     "hil_no_reg_l": ("colbert_hil_no_reg_l", "ColBERT-HIL w/o reg_L"),
     "hil_no_reg_h": ("colbert_hil_no_reg_h", "ColBERT-HIL w/o reg_H"),
     "hil_no_reg": ("colbert_hil_no_reg", "ColBERT-HIL w/o reg_L, reg_H"),
+    "hil_authors": ("colbert_hil_authors", "ColBERT-HIL (authors' code)"),
+    # Diagnostics of ColBERT-HIL's loss against ColBERT (issue 13): the paper recipe with one thing changed.
+    "hil_detach_h": (("colbert_hil", "diagnostics/zscore_detach_h"), "ColBERT-HIL, H moments detached"),
+    "hil_fixed_temperature": (("colbert_hil", "diagnostics/fixed_temperature"), "ColBERT-HIL, fixed temperature 1"),
+    "hil_attend_mask": (("colbert_hil", "diagnostics/attend_mask"), "ColBERT-HIL, [MASK] attended"),
+    "colbert_attend_mask": ("diagnostics/attend_mask", "ColBERT, [MASK] attended"),
 }
+# Trained only when asked for by name (--variants): they explain a result rather than reproduce a table.
+DIAGNOSTICS = ("hil_detach_h", "hil_fixed_temperature", "hil_attend_mask", "colbert_attend_mask")
+DEFAULT_VARIANTS = tuple(name for name in VARIANTS if name not in DIAGNOSTICS)
 # ColBERT-lambda is not trained: it adds the scores of the two trained members (001 Section 3.2).
 ENSEMBLES: dict[str, tuple[str, str, str]] = {"lambda": ("iso", "aniso", "ColBERT-lambda")}
 
 # Trained variants evaluated a second way: ColBERT-HIL with its query-term IDF recomputed on each evaluated corpus
 # instead of the training passages' (the issue's "the evaluation can recompute it on the target corpus").
-CORPUS_IDF: dict[str, tuple[str, str]] = {"hil_corpus_idf": ("hil", "ColBERT-HIL, target-corpus IDF")}
+# The authors' recipe takes its IDF over queries: recomputed on the target dataset's queries, as their evaluation does.
+CORPUS_IDF: dict[str, tuple[str, str]] = {"hil_corpus_idf": ("hil", "ColBERT-HIL, target-corpus IDF"),
+                                          "hil_authors_target_idf": ("hil_authors",
+                                                                     "ColBERT-HIL (authors' code), target-query IDF")}
 
 # dataset key -> (how it is evaluated, where it is found under HIL_DATA_DIR)
 DATASETS: dict[str, tuple[str, str]] = {
     "scifact": ("full", "scifact"),
     "nfcorpus": ("full", "nfcorpus"),
-    "dl19": ("rerank", "msmarco/dl19-pool"),
+    "dl19": ("rerank", "msmarco/dl19"),
 }
+
+
+@dataclass(frozen=True)
+class FirstStage:
+    """A re-ranking set's first stage: a TREC run file in the dataset's folder whose top ``rerank_depth`` documents
+    per query are re-ranked, and which, scored as given, is the row ``name``; ``relevance_level`` is the grade the
+    set's binary metrics start at (its qrels may judge documents outside the corpus: they count, as in trec_eval)."""
+
+    run_file: str
+    name: str
+    label: str  # what the first stage is, for the report
+    relevance_level: int = 1
+
+
+# TREC DL 2019 passage: the official BM25 top 100 (nDCG@10 0.5058), graded qrels 0-3, binary metrics at grade >= 2.
+FIRST_STAGES: dict[str, FirstStage] = {"dl19": FirstStage("bm25-top100.trec", "bm25", "BM25", relevance_level=2)}
 ZERO_SHOT = ("scifact", "nfcorpus")  # the BEIR average; DL19 is in-domain (001 leaves MS MARCO out of Avg.)
 
 
@@ -128,8 +156,8 @@ class Profile:
         """The ``train.py fit`` arguments of one variant: base config, its delta, the preset, then run options."""
         delta, _ = VARIANTS[variant]
         args = ["--config", str(self.configs / BASE_CONFIG)]
-        if delta is not None:
-            args += ["--config", str(self.configs / "variants" / f"{delta}.yaml")]
+        for part in (delta,) if isinstance(delta, str) else (delta or ()):
+            args += ["--config", str(self.configs / "variants" / f"{part}.yaml")]
         args += ["--config", str(self.configs / "presets" / self.preset), "--trainer.enable_progress_bar", "false"]
         if self.max_steps is not None:
             args += ["--trainer.max_steps", str(self.max_steps)]

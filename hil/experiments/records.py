@@ -18,30 +18,47 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from hil.data.beir import BeirDataset, load_beir, load_dl19_pool
+from hil.data.beir import BeirDataset, load_beir
+from hil.evaluation.evaluate import Evaluation, evaluate_run_file, subset_with_first_stage
 from hil.evaluation.statistics import bootstrap_ci, paired_permutation_test, paired_t_test
-from hil.experiments.profiles import DATASETS, ENSEMBLES, VARIANTS, ZERO_SHOT, Profile
-from hil.paths import resolve_data_file
+from hil.experiments.diagnostics import length_table, query_lengths
+from hil.experiments.profiles import DATASETS, ENSEMBLES, FIRST_STAGES, VARIANTS, ZERO_SHOT, Profile
 from hil.provenance import git_commit, provenance, versions
 
 METRIC = "ndcg@10"
-MAIN_ROWS = ("bm25", "colbert", "cosreg", "istar", "iso", "aniso", "lambda", "hil", "hil_corpus_idf")
+DIAGNOSTIC_ROWS = ("hil_detach_h", "hil_fixed_temperature", "hil_attend_mask", "colbert_attend_mask")
+MAIN_ROWS = ("bm25", "colbert", "cosreg", "istar", "iso", "aniso", "lambda", "hil", "hil_corpus_idf", "hil_authors",
+             "hil_authors_target_idf", *DIAGNOSTIC_ROWS)
+LENGTH_ROWS = ("bm25", "colbert", "hil", "hil_authors", "hil_authors_target_idf", *DIAGNOSTIC_ROWS)
 ABLATION_ROWS = ("hil_no_reg", "hil_no_reg_h", "hil_no_reg_l", "hil")
 TABLE3_ROWS = ("colbert", "cosreg", "istar", "iso", "aniso", "lambda", "hil", "hil_corpus_idf")
-MODULE_ROWS = ("lambda", "hil", "hil_corpus_idf", "hil_no_reg_l", "hil_no_reg_h", "hil_no_reg")
-DATASET_LABELS = {"scifact": "SciFact", "nfcorpus": "NFCorpus", "dl19": "DL19 (re-rank)"}
+MODULE_ROWS = ("lambda", "hil", "hil_corpus_idf", "hil_no_reg_l", "hil_no_reg_h", "hil_no_reg", "hil_authors",
+               "hil_authors_target_idf", *DIAGNOSTIC_ROWS[:3])
+DATASET_LABELS = {"scifact": "SciFact", "nfcorpus": "NFCorpus", "dl19": "TREC DL19"}
 
 Results = dict[str, dict[str, dict[str, Any]]]  # dataset key -> model name -> evaluation record
 
 
-def load_dataset(key: str, profile: Profile) -> BeirDataset:
-    """A dataset of :data:`DATASETS`, sliced as the profile says."""
+def load_dataset(key: str, profile: Profile) -> tuple[BeirDataset, Evaluation | None]:
+    """A dataset of :data:`DATASETS`, sliced as the profile says, and for a re-ranking set its first stage
+    (:data:`~hil.experiments.profiles.FIRST_STAGES`: the run file scored on the slice, its row named ``name``)."""
     _, where = DATASETS[key]
-    dataset = load_dl19_pool(resolve_data_file(where)) if key == "dl19" else load_beir(where)
-    if key in profile.slices:
-        n_queries, n_docs = profile.slices[key]
-        dataset = dataset.subset(n_queries=n_queries, n_docs=n_docs, seed=profile.seed)
-    return dataset
+    first_stage = FIRST_STAGES.get(key)
+    dataset = load_beir(where, judged_outside_corpus="keep" if first_stage else "error",
+                        relevance_level=first_stage.relevance_level if first_stage else 1)
+    first = None if first_stage is None else evaluate_run_file(Path(dataset.source) / first_stage.run_file, dataset,
+                                                                name=first_stage.name)
+    n_queries, n_docs = profile.slices.get(key, (None, None))
+    dataset, first, _ = subset_with_first_stage(dataset, first, n_queries, n_docs, profile.seed, profile.rerank_depth)
+    return dataset, first
+
+
+def dataset_column(key: str, rerank_depth: int) -> str:
+    """A dataset's column heading: for a re-ranking set, what is re-ranked and how it is judged."""
+    first_stage = FIRST_STAGES.get(key)
+    if first_stage is None or DATASETS[key][0] != "rerank":
+        return DATASET_LABELS[key]
+    return f"{DATASET_LABELS[key]}, re-ranking {first_stage.label} top {rerank_depth}, graded qrels"
 
 
 def machine() -> dict[str, Any]:
@@ -162,17 +179,50 @@ def modules(results: Results) -> dict[str, Any]:
     return rows
 
 
+def other_data(results: Results, names: dict[str, str]) -> list[str]:
+    """``<key>/<model> (<dataset>)`` for each evaluation that measured another dataset than ``names[key]`` (the
+    deprecated DL19 pool, for one): a report must not show it under the current dataset's heading."""
+    return [f"{key}/{model} ({record.get('dataset')})" for key, models in results.items()
+            for model, record in models.items() if key in names and record.get("dataset") not in (None, names[key])]
+
+
+def lengths_by_dataset(results: Results, profile: Profile) -> dict[str, dict[str, int]]:
+    """Each evaluated zero-shot dataset's query lengths in the profile backbone's word pieces (for the
+    by-query-length table); a dataset or tokenizer that cannot be loaded is left out."""
+    from transformers import AutoTokenizer
+
+    from hil.paths import resolve_model
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model(profile.training.backbone))
+    except OSError:
+        return {}
+    lengths = {}
+    for key in (k for k in ZERO_SHOT if k in results):
+        try:
+            dataset, _ = load_dataset(key, profile)
+        except (OSError, ValueError):
+            continue
+        lengths[key] = query_lengths(dataset, tokenizer)
+    return lengths
+
+
 def judgments(key: str, profile: Profile) -> str | None:
     """A sentence on how informative a dataset's judgments are (grades used, share of the corpus judged relevant)."""
     try:
-        dataset = load_dataset(key, profile)
+        dataset, _ = load_dataset(key, profile)
     except (OSError, ValueError):
         return None
     grades = sorted({g for judged in dataset.qrels.values() for g in judged.values()})
-    relevant = {d for judged in dataset.qrels.values() for d, g in judged.items() if g > 0}
+    level = dataset.relevance_level
+    relevant = {d for judged in dataset.qrels.values() for d, g in judged.items() if g >= level and d in dataset.corpus}
     share = len(relevant) / max(1, len(dataset.corpus))
     text = (f"{DATASET_LABELS[key]}: {len(dataset.queries)} queries, {len(dataset.corpus)} documents, relevance "
-            f"grades used {grades}, {100 * share:.0f}% of the documents judged relevant to some query")
+            f"grades used {grades}, {100 * share:.0f}% of the documents judged relevant (grade >= {level}) to some "
+            "query")
+    if dataset.judged_outside_corpus:
+        text += (f", and {dataset.judged_outside_corpus} judgments of documents outside the corpus, kept: they count "
+                 "in the ideal DCG (as trec_eval counts them), so nDCG@10 is comparable with published figures")
     if share > 0.5 and len([g for g in grades if g > 0]) == 1:
         text += (" (nearly every document is relevant to some query, with one grade: re-ranking there is mostly "
                  "telling topics apart, so expect every model near the ceiling)")
@@ -196,4 +246,5 @@ def summarize(out: Path, results: Results, profile: Profile, *, command: str = "
                       elapsed_s=elapsed_s, statistics=stats, table2=table2(results, stats),
                       table3=table3(results, stats), table5=table5(results, stats), modules=modules(results),
                       training=training, timings=timings, sizes=sizes,
+                      by_query_length=length_table(results, lengths_by_dataset(results, profile), LENGTH_ROWS),
                       judgments=[note for note in (judgments(k, profile) for k in results) if note])

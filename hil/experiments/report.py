@@ -16,7 +16,8 @@ import numpy as np
 
 from hil.evaluation.tables import markdown_table, p_value, pct, relative
 from hil.experiments.profiles import CORPUS_IDF, DATASETS, ENSEMBLES, VARIANTS, ZERO_SHOT, Profile
-from hil.experiments.records import ABLATION_ROWS, DATASET_LABELS, MAIN_ROWS, MODULE_ROWS, TABLE3_ROWS, Results
+from hil.experiments.records import (ABLATION_ROWS, DATASET_LABELS, MAIN_ROWS, MODULE_ROWS, TABLE3_ROWS, Results,
+                                     dataset_column)
 from hil.provenance import write_text_atomic
 
 
@@ -44,8 +45,9 @@ def _keys(summary: dict[str, Any]) -> tuple[list[str], list[str]]:
 def table2_lines(summary: dict[str, Any]) -> list[str]:
     stats, rows_in = summary["statistics"], summary["table2"]
     keys, other = _keys(summary)
+    depth = summary.get("settings", {}).get("rerank_depth", 100)
     header = ["Model"] + [DATASET_LABELS[k] for k in keys] + ["Avg.", "vs ColBERT", "vs BM25"] + \
-             [DATASET_LABELS[k] for k in other]
+             [dataset_column(k, depth) for k in other]
     colbert_avg, bm25_avg = (rows_in.get(n, {}).get("avg") for n in ("colbert", "bm25"))
     rows = []
     for name, row_in in rows_in.items():
@@ -198,12 +200,40 @@ def header_lines(summary: dict[str, Any], profile: Profile) -> list[str]:
              "only its config's regularizer.", "",
              "Evaluation: SciFact and NFCorpus (test) by exact late interaction of every query with every document "
              "(full ranking without a first-stage approximation, top "
-             f"{profile.k}); TREC DL19 by re-ranking BM25's top {profile.rerank_depth} in the judged pool. "
+             f"{profile.k}); TREC DL19 passage by re-ranking the official BM25 run's top "
+             f"{profile.rerank_depth} per query (`bm25-top100.trec`; BM25's row is that run as given), against the "
+             "official graded qrels (0-3): judgments of passages outside the top 100 count in the ideal DCG as "
+             "trec_eval counts them, and binary metrics take grades >= 2 as relevant (TREC DL's convention). "
              "ColBERT-lambda adds the iso and aniso models' scores. nDCG@10 in percent, 95% bootstrap interval "
              f"over queries ({profile.n_bootstrap} samples); † = paired t-test p < 0.01 against ColBERT.", ""]
     if profile.slices:
         lines += [f"Slices (queries, documents): {profile.slices}.", ""]
     return lines + (["Judgments: " + "; ".join(summary["judgments"]) + ".", ""] if summary["judgments"] else [])
+
+
+def length_lines(summary: dict[str, Any]) -> list[str]:
+    """nDCG@10 by query length (word pieces), each cell the bucket's mean and, for models other than ColBERT, the
+    mean paired difference to ColBERT on the same queries."""
+    table = summary.get("by_query_length") or {}
+    lines: list[str] = []
+    for key, models in table.items():
+        buckets = list(next(iter(models.values()), {}))
+        if not buckets:
+            continue
+        counts = {b: max(int(m[b]["n"]) for m in models.values()) for b in buckets}
+        header = ["Model"] + [f"{DATASET_LABELS[key]} {b} ({counts[b]} q.)" for b in buckets]
+        rows = []
+        for name in sorted(models, key=_order):
+            cells = [label(name)]
+            for bucket in buckets:
+                cell = models[name][bucket]
+                text = "-" if cell["mean"] is None else pct(cell["mean"])
+                if cell.get("diff") is not None:
+                    text += f" ({cell['diff'] * 100:+.1f})"
+                cells.append(text)
+            rows.append(cells)
+        lines += [*markdown_table(header, rows), ""]
+    return lines
 
 
 def tables_lines(summary: dict[str, Any], profile: Profile) -> list[str]:
@@ -221,7 +251,11 @@ def tables_lines(summary: dict[str, Any], profile: Profile) -> list[str]:
             "## Table 5: HIL ablation", "",
             "Differences in parentheses are against HIL without both regularizers. 001 reports MS MARCO dev "
             "full ranking in the first column; here the in-domain column is TREC DL19 re-ranking.", "",
-            *table5_lines(summary), ""]
+            *table5_lines(summary), "",
+            *(["## nDCG@10 by query length", "",
+               "Queries bucketed by their word pieces (no special tokens); in parentheses the mean paired difference "
+               "to ColBERT on the same queries, in points.", "", *length_lines(summary)]
+              if summary.get("by_query_length") else [])]
 
 
 def figure_lines(made: dict[str, str], profile: Profile) -> list[str]:

@@ -74,6 +74,46 @@ def istar_reg(x: Tensor, shrinkage_cov: Tensor | None, zeta: float = 0.2) -> Ten
     return 1.0 - isoscore_star(x, shrinkage_cov, zeta)
 
 
+def mean_token_dot(queries: Tensor, docs: Tensor) -> Tensor:
+    """Mean of every query-token / document-token dot product over a batch of pairs, padding included.
+
+    queries (B, Lq, D), docs (B, Ld, D) -> scalar = mean over b, i, j of ``q_bi . d_bj``: ``torch.mean`` of the
+    (B, Lq, Ld) similarity tensor, as the HIL authors' code takes it (its zero padding vectors count as zeros).
+    Computed as ``(sum_i q_bi) . (sum_j d_bj) / (Lq Ld)``, without the (B, Lq, Ld) tensor.
+    """
+    if queries.dim() != 3 or docs.dim() != 3 or queries.shape[0] != docs.shape[0]:
+        raise ValueError(f"hil.isotropy.regularizers: mean_token_dot expects (B, Lq, D) and (B, Ld, D), got "
+                         f"{tuple(queries.shape)} and {tuple(docs.shape)}")
+    per_pair = (queries.sum(dim=1) * docs.sum(dim=1)).sum(dim=-1)  # (B,)
+    return per_pair.mean() / (queries.shape[1] * docs.shape[1])
+
+
+def authors_hil_reg(mean_dot_L: Tensor, mean_dot_H: Tensor) -> Tensor:
+    """The HIL authors' regularizer ("sensim" in their code): ``mean(H dots) - |mean(L dots)|``, each the
+    :func:`mean_token_dot` of one head over the batch's (q, d+) and (q, d-) pairs; with lambda = -0.3 it rewards
+    H's similarities and pushes L's batch mean toward 0 (the absolute value of the batch mean, not per pair)."""
+    return mean_dot_H - mean_dot_L.abs()
+
+
+def conditional_isotropy(queries: Tensor, docs: Tensor) -> Tensor:
+    """The HIL authors' "conditional isotropy" of ColBERT (their ``cond_isotropy`` with ``avg_cos``).
+
+    queries (B, Lq, D), docs (B, Ld, D) (L2-normalized, padding zero): for each pair b and query token i, the
+    document tokens with their component along q_bi removed, ``e_bij = normalize(d_bj - (q_bi . d_bj) q_bi)``; the
+    term is the mean over b, i, j, k of ``e_bij . e_bik`` (the average cosine of the residuals, j = k and the zero
+    padding rows included, as ``torch.mean`` over their (B, Lq, Ld, Ld) tensor). Equal to the mean over b, i of
+    ``|sum_j e_bij|^2 / Ld^2``, which is how it is computed: (B, Lq, Ld, D) memory, not (B, Lq, Ld, Ld). -> scalar
+    """
+    if queries.dim() != 3 or docs.dim() != 3 or queries.shape[0] != docs.shape[0]:
+        raise ValueError(f"hil.isotropy.regularizers: conditional_isotropy expects (B, Lq, D) and (B, Ld, D), got "
+                         f"{tuple(queries.shape)} and {tuple(docs.shape)}")
+    cos = torch.einsum("bid,bjd->bij", queries, docs)                               # (B, Lq, Ld)
+    residual = docs[:, None, :, :] - cos[..., None] * queries[:, :, None, :]         # (B, Lq, Ld, D)
+    residual = torch.nn.functional.normalize(residual, p=2, dim=-1)
+    summed = residual.sum(dim=2)                                                     # (B, Lq, D)
+    return summed.square().sum(dim=-1).mean() / docs.shape[1] ** 2
+
+
 # --------------------------------------------------------------------------------------------------------------
 # The regularizer objects
 # --------------------------------------------------------------------------------------------------------------
@@ -139,6 +179,24 @@ class InterIsoRegularizer(Regularizer):
             inter_iso_values = inter_iso(paired, docs, paired_mask, doc_mask)  # (B,)
         reg = interiso_reg(inter_iso_values, absolute=self.weight >= 0)
         return self.weight * reg, {"inter_iso": inter_iso_values.detach().mean(), "reg": reg.detach()}
+
+
+class ConditionalIsotropyRegularizer(Regularizer):
+    """The HIL authors' ColBERT-iso / -aniso term (their code's ``sensim`` for ColBERT): ``lambda *
+    conditional_isotropy`` on the (q, d+) pairs only (the first half of their batch), added as is (no absolute
+    value; lambda > 0 lowers the residuals' average cosine, lambda < 0 raises it). The paper's ColBERT-iso /
+    -aniso use :class:`InterIsoRegularizer` instead. Logs ``reg`` (the unweighted term)."""
+
+    def forward(self, queries: Tensor, docs: Tensor, query_mask: Tensor | None = None,
+                doc_mask: Tensor | None = None, pair_index: Tensor | None = None,
+                inter_iso_values: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+        n = queries.shape[0]
+        if pair_index is not None and not torch.equal(pair_index[:n].cpu(), torch.arange(n)):
+            raise ValueError("hil.isotropy.regularizers: ConditionalIsotropyRegularizer expects the documents as "
+                             "[positives; negatives] with positive k paired with query k")
+        positives = docs[:n] if doc_mask is None else docs[:n] * doc_mask[:n, :, None].to(docs.dtype)
+        reg = conditional_isotropy(queries, positives)
+        return self.weight * reg, {"reg": reg.detach()}
 
 
 class _TokenCloudRegularizer(Regularizer):

@@ -77,6 +77,23 @@ class Encoder(nn.Module, metaclass=ABCMeta):
     def score_pairs(self, queries: EncodedBatch, docs: EncodedBatch) -> Tensor:
         """Relevance of query i to document i. -> (B,)"""
 
+    @property
+    def normalizes_per_query(self) -> bool:
+        """Whether a query's scores are normalized with moments taken over all the documents it is ranked among
+        (ColBERT-HIL with ``zscore_eval`` "per_query"): retrieval that scores documents in blocks must then
+        accumulate ``raw_head_scores`` over every block before ranking. False for every other encoder."""
+        return False
+
+    def raw_head_scores(self, queries: EncodedBatch, docs: EncodedBatch) -> dict[str, tuple[Tensor, Tensor, Tensor]]:
+        """Per head: (sum over query tokens of S (Bq, Bd), of S^2 (Bq, Bd), token count (Bq,)); needed only when
+        ``normalizes_per_query``."""
+        raise NotImplementedError(f"{type(self).__name__} does not normalize per query")
+
+    def normalize_per_query(self, sums: dict[str, tuple[Tensor, Tensor, Tensor]]) -> dict[str, Tensor]:
+        """Each head's score from ``raw_head_scores`` accumulated over ALL of each query's documents:
+        head -> (Bq, C). Needed only when ``normalizes_per_query``."""
+        raise NotImplementedError(f"{type(self).__name__} does not normalize per query")
+
     @abstractmethod
     def settings(self) -> dict[str, Any]:
         """JSON-able settings that, with the weights, determine every vector and score (recorded in artifacts)."""

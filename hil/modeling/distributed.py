@@ -114,7 +114,7 @@ def gather_encoded(batch: Any) -> tuple[Any, int]:
 
 
 @torch.no_grad()
-def pooled_moments(x: Tensor, mask: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def pooled_moments(x: Tensor, mask: Tensor, eps: float, unbiased: bool = False) -> tuple[Tensor, Tensor]:
     """Mean and ``sqrt(var + eps)`` of the masked entries of ``x`` over every rank's batch (no gradient).
 
     On one process this is ``hil_scoring.batch_moments``; under DDP the count, sum and sum of squares are summed
@@ -129,5 +129,5 @@ def pooled_moments(x: Tensor, mask: Tensor, eps: float) -> tuple[Tensor, Tensor]
         dist.all_reduce(totals, op=dist.ReduceOp.SUM)
     count = totals[0].clamp(min=1.0)
     mean = totals[1] / count
-    variance = (totals[2] / count - mean.square()).clamp(min=0.0)
+    variance = (totals[2] - count * mean.square()).clamp(min=0.0) / (count - float(unbiased)).clamp(min=1.0)
     return mean.float(), torch.sqrt(variance + eps).float()

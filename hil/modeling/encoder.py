@@ -11,7 +11,7 @@ import json
 from abc import abstractmethod
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, ClassVar, Iterable
+from typing import Any, ClassVar, Iterable, Literal
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +28,37 @@ from hil.provenance import provenance, write_json_atomic
 
 CONFIG_NAME = "hil_config.json"
 HEADS_NAME = "hil_heads.pt"
+
+HeadInit = Literal["bert", "torch"]
+HEAD_INITS: tuple[str, ...] = ("bert", "torch")
+
+
+def upgrade_settings(settings: dict[str, Any]) -> dict[str, Any]:
+    """Settings recorded by an older version, completed with the values that model was actually built with.
+
+    Exports and checkpoints written before ``attend_to_mask_tokens`` existed attended to the ``[MASK]`` padding:
+    they keep doing so (the new default, False, would silently change their query encodings).
+    """
+    upgraded = dict(settings)
+    upgraded.setdefault("attend_to_mask_tokens", True)
+    return upgraded
+
+
+def init_head(layer: nn.Linear, how: HeadInit, std: float) -> None:
+    """Initialize a projection head.
+
+    "bert": normal(0, std) weights and zero bias, std = the backbone's ``initializer_range`` (0.02 for BERT): what
+    ColBERT v1 gets from ``BertPreTrainedModel.init_weights()`` (``_init_weights`` on every ``nn.Linear``), and the
+    HIL authors' code too (their ``linear`` and ``lexical_linear`` are built before ``init_weights()``).
+    "torch": ``nn.Linear``'s own Kaiming-uniform default (this package before the setting existed).
+    """
+    if how not in HEAD_INITS:
+        raise ValueError(f"head_init must be one of {HEAD_INITS}, got {how!r}")
+    if how == "bert":
+        with torch.no_grad():
+            layer.weight.normal_(0.0, std)
+            if layer.bias is not None:
+                layer.bias.zero_()
 
 
 @contextmanager
@@ -68,15 +99,24 @@ class MultiVectorEncoder(Encoder):
 
     def __init__(self, backbone: str = "bert-base-uncased", dim: int = 128, query_maxlen: int = 32,
                  doc_maxlen: int = 180, query_marker: str = QUERY_MARKER, doc_marker: str = DOC_MARKER,
-                 mask_punctuation: bool = True,
+                 mask_punctuation: bool = True, attend_to_mask_tokens: bool = False, head_init: HeadInit = "bert",
                  _loaded: tuple[PreTrainedModel, PreTrainedTokenizerBase] | None = None):
         super().__init__()
+        if head_init not in HEAD_INITS:
+            raise ValueError(f"head_init must be one of {HEAD_INITS}, got {head_init!r}")
         self.backbone_name = backbone
         self.backbone, hf_tokenizer = _loaded if _loaded is not None else load_backbone(backbone)
         self.tokenizer = ColBERTTokenizer(hf_tokenizer, query_maxlen, doc_maxlen, query_marker, doc_marker,
-                                          mask_punctuation)
+                                          mask_punctuation, attend_to_mask_tokens)
         self.dim = dim
+        self.head_init = head_init
         self.hidden_size = int(self.backbone.config.hidden_size)
+
+    def init_heads(self, *layers: nn.Linear) -> None:
+        """Initialize the projection heads as ``head_init`` says (see :func:`init_head`)."""
+        std = float(getattr(self.backbone.config, "initializer_range", 0.02))
+        for layer in layers:
+            init_head(layer, self.head_init, std)
 
     # -- what subclasses define (and ``score``, ``score_pairs``, ``score_heads`` of the contract) ------------------
     @abstractmethod
@@ -108,7 +148,7 @@ class MultiVectorEncoder(Encoder):
 
     def settings(self) -> dict[str, Any]:
         return {"architecture": self.architecture, "backbone": self.backbone_name, "dim": self.dim,
-                **self.tokenizer.settings(), **self.extra_settings()}
+                **self.tokenizer.settings(), "head_init": self.head_init, **self.extra_settings()}
 
     def save_pretrained(self, directory: str | Path, extra: dict[str, Any] | None = None) -> Path:
         """Write backbone + tokenizer (loadable by ``AutoModel.from_pretrained``), the heads and a settings JSON."""
@@ -125,7 +165,7 @@ class MultiVectorEncoder(Encoder):
     def from_pretrained(cls, directory: str | Path) -> "MultiVectorEncoder":
         directory = Path(directory)
         config = read_export_config(directory)
-        settings = dict(config["settings"])
+        settings = upgrade_settings(config["settings"])
         if settings.pop("architecture") != cls.architecture:
             raise ValueError(f"{directory / CONFIG_NAME}: architecture is {config['settings']['architecture']!r}, "
                              f"not {cls.architecture!r}; use hil.modeling.load_encoder")
@@ -149,19 +189,25 @@ def read_export_config(directory: Path) -> dict[str, Any]:
 
 
 class ColBERTEncoder(MultiVectorEncoder):
-    """ColBERT v1: a bias-free linear projection of the last hidden state to ``dim``, then L2 normalization."""
+    """ColBERT v1: a bias-free linear projection of the last hidden state to ``dim``, then L2 normalization.
+
+    Defaults follow ColBERT v1: ``[MASK]`` query padding scored but not attended (``attend_to_mask_tokens``
+    False, see ``hil.data.tokenization``) and a BERT-style head initialization (``head_init`` "bert": normal,
+    std 0.02).
+    """
 
     architecture = "colbert"
     head_names = ("colbert",)
 
     def __init__(self, backbone: str = "bert-base-uncased", dim: int = 128, query_maxlen: int = 32,
                  doc_maxlen: int = 180, query_marker: str = QUERY_MARKER, doc_marker: str = DOC_MARKER,
-                 mask_punctuation: bool = True,
+                 mask_punctuation: bool = True, attend_to_mask_tokens: bool = False, head_init: HeadInit = "bert",
                  _loaded: tuple[PreTrainedModel, PreTrainedTokenizerBase] | None = None):
         super().__init__(backbone, dim=dim, query_maxlen=query_maxlen, doc_maxlen=doc_maxlen,
                          query_marker=query_marker, doc_marker=doc_marker, mask_punctuation=mask_punctuation,
-                         _loaded=_loaded)
+                         attend_to_mask_tokens=attend_to_mask_tokens, head_init=head_init, _loaded=_loaded)
         self.linear = nn.Linear(self.hidden_size, self.dim, bias=False)
+        self.init_heads(self.linear)
 
     def hidden_states(self, batch: TokenizedBatch) -> Tensor:
         return self.backbone(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state

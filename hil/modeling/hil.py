@@ -28,26 +28,54 @@ Choices where the paper is silent:
   an exponential moving average with ``zscore_momentum``, the first batch copied as is). Every other use -- eval
   mode, ``score``, ``score_pairs``, indexing and search -- uses the running estimates, so a document's score never
   depends on the batch it is scored in. A fresh model's estimates are mean 0, std 1 (no normalization).
+
+The paper's text, the authors' released code and this package differ on several points; each is a setting (the
+defaults follow the paper; ``configs/variants/colbert_hil_authors.yaml`` selects the authors' code; the table with
+sources is in ``docs/fidelity.md``):
+- ``lexical_input``: "word_embeddings" (the paper's "vocab embedding layer", read as above) or "embedding_output"
+  (the authors' ``outputs.embedding_output``: word + position + token-type embeddings after LayerNorm).
+- ``idf_formula``: "bm25" (above) or "authors" (``ln(N / (1 + df))`` over the query collection, special tokens
+  counted; ``hil.data.idf``). Set the collection with ``data.idf_source`` ("train_queries" for the authors').
+- ``lexical_query_tokens``: "weighted" (above: zero-IDF tokens left out of L) or "all" (every query position, as
+  the authors' code, whose IDF has no zero weights).
+- ``zscore_std``: "population" or "unbiased" (``torch.std``, the authors').
+- ``zscore_eval``: "running" (above) or "per_query": outside training each query's moments are recomputed over
+  all its token scores against the documents it is ranked among (the authors' evaluation z-scores the scores it
+  evaluates, so a document's score depends on the candidate set, as there). Retrieval accumulates the moments
+  over every block of documents before ranking (``raw_head_scores``).
+- Diagnostics (not in either source): ``zscore_detach`` lists heads whose batch moments are detached from the
+  gradient; ``zscore_temperature`` divides by a fixed value instead of the batch std (the mean is still
+  subtracted; in training it cancels in the pairwise CE).
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, Literal, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from hil.data.idf import IDFTable
+from hil.data.idf import AUTHORS_FORMULA, IDFTable
 from hil.data.tokenization import DOC_MARKER, QUERY_MARKER, TokenizedBatch
 from hil.modeling.contracts import EncodedBatch
 from hil.modeling.distributed import pooled_moments
-from hil.modeling.encoder import MultiVectorEncoder
+from hil.modeling.encoder import HeadInit, MultiVectorEncoder
 from hil.modeling.hil_scoring import (DEFAULT_EPS, batch_moments, hil_token_scores, lexical_query_mask,
-                                      zscored_late_interaction)
+                                      per_query_moments, zscore_from_sums, zscored_late_interaction)
+from hil.modeling.scoring import sum_query_tokens
 
 HEADS = ("L", "H")
+LexicalInput = Literal["word_embeddings", "embedding_output"]
+IDFFormula = Literal["bm25", "authors"]
+LexicalQueryTokens = Literal["weighted", "all"]
+ZScoreStd = Literal["population", "unbiased"]
+ZScoreEval = Literal["running", "per_query"]
+CHOICES: dict[str, tuple[str, ...]] = {
+    "lexical_input": ("word_embeddings", "embedding_output"), "idf_formula": ("bm25", "authors"),
+    "lexical_query_tokens": ("weighted", "all"), "zscore_std": ("population", "unbiased"),
+    "zscore_eval": ("running", "per_query")}
 
 
 class RunningMoments(nn.Module):
@@ -95,18 +123,40 @@ class HILEncoder(MultiVectorEncoder):
 
     def __init__(self, backbone: str = "bert-base-uncased", dim: int = 128, query_maxlen: int = 32,
                  doc_maxlen: int = 180, query_marker: str = QUERY_MARKER, doc_marker: str = DOC_MARKER,
-                 mask_punctuation: bool = True, zscore_momentum: float = 0.1, zscore_eps: float = DEFAULT_EPS,
-                 idf_source: str | None = None,
+                 mask_punctuation: bool = True, attend_to_mask_tokens: bool = False, head_init: HeadInit = "bert",
+                 lexical_input: LexicalInput = "word_embeddings", idf_formula: IDFFormula = "bm25",
+                 lexical_query_tokens: LexicalQueryTokens = "weighted", zscore_std: ZScoreStd = "population",
+                 zscore_eval: ZScoreEval = "running", zscore_detach: Sequence[str] = (),
+                 zscore_temperature: float | None = None, zscore_momentum: float = 0.1,
+                 zscore_eps: float = DEFAULT_EPS, idf_source: str | None = None,
                  _loaded: tuple[PreTrainedModel, PreTrainedTokenizerBase] | None = None):
         super().__init__(backbone, dim=dim, query_maxlen=query_maxlen, doc_maxlen=doc_maxlen,
                          query_marker=query_marker, doc_marker=doc_marker, mask_punctuation=mask_punctuation,
-                         _loaded=_loaded)
+                         attend_to_mask_tokens=attend_to_mask_tokens, head_init=head_init, _loaded=_loaded)
         if zscore_eps <= 0:
             raise ValueError(f"zscore_eps must be > 0, got {zscore_eps}")
+        chosen = {"lexical_input": lexical_input, "idf_formula": idf_formula,
+                  "lexical_query_tokens": lexical_query_tokens, "zscore_std": zscore_std, "zscore_eval": zscore_eval}
+        for name, value in chosen.items():
+            if value not in CHOICES[name]:
+                raise ValueError(f"{name} must be one of {CHOICES[name]}, got {value!r}")
+        unknown = sorted(set(zscore_detach) - set(HEADS))
+        if unknown:
+            raise ValueError(f"zscore_detach lists unknown heads {unknown}; the heads are {list(HEADS)}")
+        if zscore_temperature is not None and zscore_temperature <= 0:
+            raise ValueError(f"zscore_temperature must be > 0 or null, got {zscore_temperature}")
+        self.lexical_input = lexical_input
+        self.idf_formula = idf_formula
+        self.lexical_query_tokens = lexical_query_tokens
+        self.zscore_std = zscore_std
+        self.zscore_eval = zscore_eval
+        self.zscore_detach = tuple(h for h in HEADS if h in set(zscore_detach))
+        self.zscore_temperature = None if zscore_temperature is None else float(zscore_temperature)
         word_embeddings = self.backbone.get_input_embeddings()
         self.vocab_size = int(word_embeddings.num_embeddings)
         self.linear_L = nn.Linear(int(word_embeddings.embedding_dim), dim, bias=False)
         self.linear_H = nn.Linear(self.hidden_size, dim, bias=False)
+        self.init_heads(self.linear_L, self.linear_H)
         self.zscore_momentum = float(zscore_momentum)
         self.zscore_eps = float(zscore_eps)
         self.zscore = nn.ModuleDict({head: RunningMoments(zscore_momentum) for head in HEADS})
@@ -126,16 +176,29 @@ class HILEncoder(MultiVectorEncoder):
 
     def set_idf(self, table: IDFTable) -> None:
         """Store ``table``'s weights in the ``idf`` buffer (padded to the embedding count with the unseen weight)."""
+        if (table.formula == AUTHORS_FORMULA) != (self.idf_formula == "authors"):
+            raise ValueError(f"this encoder's idf_formula is {self.idf_formula!r} but the table was computed with "
+                             f"{table.formula!r}")
         weights = table.to_tensor(self.vocab_size)
         with torch.no_grad():
             self.idf.copy_(weights.to(self.idf.device, self.idf.dtype))
             self.idf_documents.fill_(table.n_documents)
         self.idf_source = table.describe()
 
+    @property
+    def idf_from_queries(self) -> bool:
+        """Whether the IDF is taken over queries (the authors' form) rather than documents."""
+        return self.idf_formula == "authors"
+
     def set_idf_from_texts(self, texts: Iterable[str], source: str = "", batch_size: int = 1024) -> IDFTable:
-        """Compute IDF over ``texts`` (e.g. the target corpus at evaluation) with this model's tokenizer; store it."""
-        table = IDFTable.from_texts(self.tokenizer, texts, batch_size=batch_size, vocab_size=self.vocab_size,
-                                    source=source)
+        """Compute IDF over ``texts`` with this model's tokenizer and ``idf_formula``; store it. The texts are
+        documents for "bm25" (e.g. the target corpus at evaluation) and queries for "authors"."""
+        if self.idf_formula == "authors":
+            table = IDFTable.from_queries(self.tokenizer, texts, batch_size=batch_size, vocab_size=self.vocab_size,
+                                          source=source)
+        else:
+            table = IDFTable.from_texts(self.tokenizer, texts, batch_size=batch_size, vocab_size=self.vocab_size,
+                                        source=source)
         self.set_idf(table)
         return table
 
@@ -145,13 +208,23 @@ class HILEncoder(MultiVectorEncoder):
 
     # -- encoding --------------------------------------------------------------------------------------------------
     def embed(self, batch: TokenizedBatch, is_query: bool) -> dict[str, Tensor]:
-        vocab = self.backbone.get_input_embeddings()(batch.input_ids)  # (B, L, E) word embeddings, no context
-        hidden = self.backbone(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
-        return {"L": F.normalize(self.linear_L(vocab), p=2, dim=-1),     # (B, L, D)
-                "H": F.normalize(self.linear_H(hidden), p=2, dim=-1)}    # (B, L, D)
+        wants_embedding_output = self.lexical_input == "embedding_output"
+        # output_hidden_states only when needed: a stand-in backbone (ONNX Runtime) returns the last state alone
+        extra = {"output_hidden_states": True} if wants_embedding_output else {}
+        outputs = self.backbone(input_ids=batch.input_ids, attention_mask=batch.attention_mask, **extra)
+        if wants_embedding_output:
+            lexical = outputs.hidden_states[0]  # (B, L, E) the embedding layer's output: word + position + type, LN
+        else:
+            lexical = self.backbone.get_input_embeddings()(batch.input_ids)  # (B, L, E) word embeddings, no context
+        return {"L": F.normalize(self.linear_L(lexical), p=2, dim=-1),                  # (B, L, D)
+                "H": F.normalize(self.linear_H(outputs.last_hidden_state), p=2, dim=-1)}  # (B, L, D)
 
     def extra_settings(self) -> dict[str, Any]:
-        return {"zscore_momentum": self.zscore_momentum, "zscore_eps": self.zscore_eps, "idf_source": self.idf_source}
+        return {"lexical_input": self.lexical_input, "idf_formula": self.idf_formula,
+                "lexical_query_tokens": self.lexical_query_tokens, "zscore_std": self.zscore_std,
+                "zscore_eval": self.zscore_eval, "zscore_detach": list(self.zscore_detach),
+                "zscore_temperature": self.zscore_temperature, "zscore_momentum": self.zscore_momentum,
+                "zscore_eps": self.zscore_eps, "idf_source": self.idf_source}
 
     # -- scoring ---------------------------------------------------------------------------------------------------
     def token_scores(self, queries: EncodedBatch, docs: EncodedBatch, all_pairs: bool
@@ -160,18 +233,62 @@ class HILEncoder(MultiVectorEncoder):
         idf = self.query_idf(queries)                                  # (Bq, Lq)
         s_L, s_H = hil_token_scores(queries.heads["L"], docs.heads["L"], queries.heads["H"], docs.heads["H"],
                                     idf, docs.mask, all_pairs=all_pairs)
-        masks = {"L": lexical_query_mask(queries.mask, idf), "H": queries.mask.bool()}
-        return {"L": s_L, "H": s_H}, masks
+        lexical = lexical_query_mask(queries.mask, idf) if self.lexical_query_tokens == "weighted" else queries.mask
+        return {"L": s_L, "H": s_H}, {"L": lexical.bool(), "H": queries.mask.bool()}
+
+    @property
+    def unbiased_std(self) -> bool:
+        return self.zscore_std == "unbiased"
+
+    @property
+    def normalizes_per_query(self) -> bool:
+        return self.zscore_eval == "per_query"
 
     def running_moments(self, head: str) -> tuple[Tensor, Tensor]:
+        """The statistics used outside training: running mean, and running std (or ``zscore_temperature``)."""
         stats = self.zscore[head]
+        if self.zscore_temperature is not None:
+            return stats.mean, torch.full_like(stats.std, self.zscore_temperature)
         return stats.mean, stats.std
 
     def score_heads(self, queries: EncodedBatch, docs: EncodedBatch, all_pairs: bool = True) -> dict[str, Tensor]:
-        """``score_late`` of each head with the running z-score statistics. -> head -> (Bq, Bd) (or (B,) paired)."""
+        """``score_late`` of each head with the running z-score statistics, or (``zscore_eval`` "per_query") with
+        each query's moments over the documents of this call. -> head -> (Bq, Bd) (or (B,) paired)."""
         scores, masks = self.token_scores(queries, docs, all_pairs)
-        return {head: zscored_late_interaction(scores[head], masks[head], *self.running_moments(head),
-                                               eps=self.zscore_eps) for head in HEADS}
+        late = {}
+        for head in HEADS:
+            if self.normalizes_per_query and not self.training:
+                if all_pairs:
+                    mean, std = per_query_moments(scores[head], masks[head], self.zscore_eps, self.unbiased_std)
+                else:  # paired rows: one set of moments over the batch, as in training
+                    mean, std = batch_moments(scores[head], masks[head].expand_as(scores[head]), self.zscore_eps,
+                                              self.unbiased_std)
+                if self.zscore_temperature is not None:
+                    std = torch.full_like(std, self.zscore_temperature)
+            else:
+                mean, std = self.running_moments(head)
+            late[head] = zscored_late_interaction(scores[head], masks[head], mean, std, eps=self.zscore_eps)
+        return late
+
+    def raw_head_scores(self, queries: EncodedBatch, docs: EncodedBatch) -> dict[str, tuple[Tensor, Tensor, Tensor]]:
+        """Per head, what per-query z-scoring needs from one block of documents: ``sum_i S`` and ``sum_i S^2``
+        over each query's tokens (Bq, Bd), and the query's token count (Bq,). See ``zscore_from_sums``."""
+        scores, masks = self.token_scores(queries, docs, all_pairs=True)
+        return {head: (sum_query_tokens(scores[head], masks[head]), sum_query_tokens(scores[head].square(),
+                       masks[head]), masks[head].sum(dim=1)) for head in HEADS}
+
+    def normalize_per_query(self, sums: dict[str, tuple[Tensor, Tensor, Tensor]]) -> dict[str, Tensor]:
+        """z-scored ``score_late`` of each head from sums accumulated over all of each query's documents."""
+        out = {}
+        for head in HEADS:
+            late_raw, square_sums, n_tokens = sums[head]
+            if self.zscore_temperature is not None:  # fixed scale: only the mean comes from the sums
+                n = n_tokens.to(torch.float64)[:, None]
+                mean = late_raw.to(torch.float64).sum(dim=1, keepdim=True) / (n * late_raw.shape[1]).clamp(min=1.0)
+                out[head] = ((late_raw - n * mean) / self.zscore_temperature).float()
+            else:
+                out[head] = zscore_from_sums(late_raw, square_sums, n_tokens, self.zscore_eps, self.unbiased_std)
+        return out
 
     def score(self, queries: EncodedBatch, docs: EncodedBatch) -> Tensor:
         """``score_late_L + score_late_H`` of every query against every document (the paper's "simply add"). -> (Bq, Bd)"""
@@ -183,23 +300,35 @@ class HILEncoder(MultiVectorEncoder):
         heads = self.score_heads(queries, docs, all_pairs=False)
         return heads["L"] + heads["H"]
 
+    def batch_zscore_moments(self, head: str, scores: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+        """The moments one training batch is z-scored with (see the module docstring's settings)."""
+        mean, std = batch_moments(scores, mask, eps=self.zscore_eps, unbiased=self.unbiased_std)
+        if head in self.zscore_detach:
+            mean, std = mean.detach(), std.detach()
+        if self.zscore_temperature is not None:
+            std = torch.full_like(std, self.zscore_temperature)
+        return mean, std
+
     def training_pair_scores(self, queries: EncodedBatch, docs: EncodedBatch, pair_index: Tensor
                              ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         """Per-head ``score_late`` of (query ``pair_index[k]``, document k) for the training loss. -> head -> (P,).
 
         In training mode each head is z-scored with the moments of all its token scores in this call (all pairs
         together: pass the (q, d+) and (q, d-) pairs at once) and the running estimates are updated with the moments
-        pooled over every DDP rank (the same on each rank); in eval mode
-        the running estimates are used. Also returns each head's query-token mask of the paired queries (P, Lq).
+        pooled over every DDP rank (the same on each rank); in eval mode the running estimates are used (or, with
+        ``zscore_eval`` "per_query", the moments of this call). Also returns each head's query-token mask of the
+        paired queries (P, Lq).
         """
         paired = queries.select(pair_index)
         scores, masks = self.token_scores(paired, docs, all_pairs=False)   # head -> (P, Lq)
         late = {}
         for head in HEADS:
-            if self.training:
-                mean, std = batch_moments(scores[head], masks[head], eps=self.zscore_eps)
-                self.zscore[head].update(*pooled_moments(scores[head], masks[head], eps=self.zscore_eps))
+            if self.training or self.normalizes_per_query:
+                mean, std = self.batch_zscore_moments(head, scores[head], masks[head])
             else:
                 mean, std = self.running_moments(head)
+            if self.training:
+                self.zscore[head].update(*pooled_moments(scores[head], masks[head], eps=self.zscore_eps,
+                                                         unbiased=self.unbiased_std))
             late[head] = zscored_late_interaction(scores[head], masks[head], mean, std, eps=self.zscore_eps)
         return late, masks

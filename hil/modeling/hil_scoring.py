@@ -54,13 +54,15 @@ def lexical_query_mask(query_mask: Tensor, query_idf: Tensor) -> Tensor:
     return query_mask.bool() & (query_idf != 0)
 
 
-def batch_moments(x: Tensor, mask: Tensor | None = None, eps: float = DEFAULT_EPS) -> tuple[Tensor, Tensor]:
+def batch_moments(x: Tensor, mask: Tensor | None = None, eps: float = DEFAULT_EPS,
+                  unbiased: bool = False) -> tuple[Tensor, Tensor]:
     """Mean and standard deviation of the entries of ``x`` where ``mask`` is True (HIL Sec. 3.3, m and sigma).
 
     x (...), mask (...) bool of the same shape or None (all entries) -> two scalars. The std is the population
-    one (ddof 0) and is taken as ``sqrt(var + eps)`` (as BatchNorm): a single value or a constant batch gives
-    ``sqrt(eps)`` instead of 0 / NaN, and the gradient stays finite at var = 0 (sqrt alone has an infinite
-    derivative there). No selected entry gives mean 0, std sqrt(eps). Differentiable; float32 at least.
+    one (ddof 0; ``unbiased``: ddof 1, ``torch.std``'s default, which the HIL authors' code uses) and is taken as
+    ``sqrt(var + eps)`` (as BatchNorm): a single value or a constant batch gives ``sqrt(eps)`` instead of 0 / NaN,
+    and the gradient stays finite at var = 0 (sqrt alone has an infinite derivative there). No selected entry
+    gives mean 0, std sqrt(eps). Differentiable; float32 at least.
     """
     x = x.to(torch.promote_types(x.dtype, torch.float32))
     if mask is None:
@@ -68,13 +70,44 @@ def batch_moments(x: Tensor, mask: Tensor | None = None, eps: float = DEFAULT_EP
     if mask.shape != x.shape:
         raise ValueError(f"batch_moments: mask shape {tuple(mask.shape)} differs from x shape {tuple(x.shape)}")
     weights = mask.to(x.dtype)
-    count = weights.sum().clamp(min=1.0)
-    mean = (x * weights).sum() / count
-    variance = ((x - mean).square() * weights).sum() / count
+    count = weights.sum()
+    mean = (x * weights).sum() / count.clamp(min=1.0)
+    variance = ((x - mean).square() * weights).sum() / (count - float(unbiased)).clamp(min=1.0)
     return mean, torch.sqrt(variance + eps)
 
 
+def per_query_moments(token_scores: Tensor, query_mask: Tensor, eps: float = DEFAULT_EPS,
+                      unbiased: bool = False) -> tuple[Tensor, Tensor]:
+    """Mean and std of each query's token scores against every document it is scored with (the HIL authors'
+    evaluation, which z-scores the scores it is evaluating). token_scores (Bq, Bd, Lq), query_mask (Bq, Lq)
+    -> two (Bq, 1) tensors, broadcastable against (Bq, Bd)."""
+    weights = query_mask[:, None, :].to(token_scores.dtype).expand_as(token_scores)
+    count = weights.sum(dim=(1, 2))
+    mean = (token_scores * weights).sum(dim=(1, 2)) / count.clamp(min=1.0)
+    centred = (token_scores - mean[:, None, None]).square() * weights
+    variance = centred.sum(dim=(1, 2)) / (count - float(unbiased)).clamp(min=1.0)
+    return mean[:, None, None], torch.sqrt(variance + eps)[:, None, None]
+
+
+def zscore_from_sums(late_raw: Tensor, square_sums: Tensor, n_tokens: Tensor, eps: float = DEFAULT_EPS,
+                     unbiased: bool = False) -> Tensor:
+    """Per-query z-scored ``score_late`` from sums accumulated over blocks of documents.
+
+    late_raw (Bq, C) = sum_i S(q_i, d), square_sums (Bq, C) = sum_i S(q_i, d)^2 over each query's scored tokens,
+    n_tokens (Bq,) how many tokens each query scores with. The moments are those of all (document, token) scores
+    of the query (as :func:`per_query_moments` over all C documents at once), and
+    ``score_late = sum_i (S_i - m) / sigma = (late_raw - n m) / sigma``. Sums in float64. -> (Bq, C)
+    """
+    raw = late_raw.to(torch.float64)
+    n = n_tokens.to(torch.float64)[:, None] * raw.shape[1]          # (Bq, 1) entries per query
+    mean = raw.sum(dim=1, keepdim=True) / n.clamp(min=1.0)
+    variance = (square_sums.to(torch.float64).sum(dim=1, keepdim=True) - n * mean.square()).clamp(min=0.0)
+    std = torch.sqrt(variance / (n - float(unbiased)).clamp(min=1.0) + eps)
+    return ((raw - n_tokens.to(torch.float64)[:, None] * mean) / std).to(late_raw.dtype)
+
+
 def zscore(x: Tensor, mean: Tensor | float, std: Tensor | float, eps: float = DEFAULT_EPS) -> Tensor:
+    # mean / std are scalars, or (Bq, 1, 1) per-query moments against (Bq, Bd, Lq) scores
     """``S' = (S - m) / sigma`` (HIL Sec. 3.3), with sigma floored at ``eps`` so a zero std cannot divide by 0."""
     std = torch.as_tensor(std, dtype=x.dtype, device=x.device).clamp(min=eps)
     return (x - mean) / std

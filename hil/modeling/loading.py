@@ -12,7 +12,7 @@ from typing import Any, Sequence
 import torch
 
 from hil.modeling.contracts import Encoder
-from hil.modeling.encoder import CONFIG_NAME, ColBERTEncoder, MultiVectorEncoder, read_export_config
+from hil.modeling.encoder import CONFIG_NAME, ColBERTEncoder, MultiVectorEncoder, read_export_config, upgrade_settings
 from hil.modeling.ensemble import MEMBER_HEADS, EnsembleEncoder
 from hil.modeling.hil import HILEncoder
 
@@ -58,7 +58,7 @@ def encoder_from_checkpoint(path: Path) -> MultiVectorEncoder:
     meta = checkpoint.get("hil")
     if meta is None or "settings" not in meta:
         raise ValueError(f"{path}: not a hil checkpoint (no 'hil' record)")
-    settings = dict(meta["settings"])
+    settings = upgrade_settings(meta["settings"])
     cls = _architecture(settings, path)
     settings.pop("architecture")
     encoder = cls(**settings)

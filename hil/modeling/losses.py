@@ -9,6 +9,7 @@ One training step, end to end (the module is ``hil.modeling.module.RetrieverModu
     PairwiseCE   L = CE(score(q, d+), score(q, d-))                        ColBERT v1 (Khattab & Zaharia 2020)
     InBatchCE    L = CE of query i over every document of the batch -- of every rank under DDP
     HILLoss      L = CE_L + CE_H + lambda (reg_L [reg_l] + reg_H [reg_h])  ColBERT-HIL (HIL Sec. 3.3)
+    HILAuthorsLoss  L = CE((S_L + S_H) / 2) + lambda (mean H dots - |mean L dots|)  the authors' released code
 and the module adds the isotropy regularizer, if any (``hil.isotropy.regularizers``).
 """
 
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hil.isotropy.metrics import inter_iso
-from hil.isotropy.regularizers import interiso_reg
+from hil.isotropy.regularizers import authors_hil_reg, interiso_reg, mean_token_dot
 from hil.modeling.contracts import EncodedBatch
 from hil.modeling.distributed import gather_encoded
 from hil.modeling.encoder import MultiVectorEncoder
@@ -200,6 +201,43 @@ class HILLoss(TrainingLoss):
         parts = {"loss_late_L": loss_late["L"], "loss_late_H": loss_late["H"], "loss_reg_L": reg_L,
                  "loss_reg_H": reg_H, "inter_iso_L": iso["L"].mean(), "inter_iso_H": iso["H"].mean(),
                  "delta_inter_iso": iso["H"].mean() - iso["L"].mean(), **pair_diagnostics(total[:n], total[n:])}
+        for head in HEADS:
+            mean, std = encoder.running_moments(head)
+            parts[f"zscore_mean_{head}"] = mean
+            parts[f"zscore_std_{head}"] = std
+        return LossOutput(loss, {k: v.detach().float() for k, v in parts.items()})
+
+
+class HILAuthorsLoss(TrainingLoss):
+    """ColBERT-HIL's loss as the authors' released code computes it (their ``ColBERT.score`` with ``qidf`` and
+    the ``sensim`` regularizer): ONE pairwise CE on ``(score_late_L + score_late_H) / 2`` plus ``lambda *
+    (mean(H dots) - |mean(L dots)|)``, the means over every query-token / document-token similarity of the
+    batch's (q, d+) and (q, d-) pairs (:func:`hil.isotropy.regularizers.authors_hil_reg`). The paper writes
+    ``CE_L + CE_H + lambda (reg_L + reg_H)`` with InterIso instead (:class:`HILLoss`, the default).
+    lambda = -0.3 as their ``train.sh``. Logs the same InterIso diagnostics as ``HILLoss``.
+    """
+
+    def __init__(self, reg_weight: float = -0.3):
+        super().__init__()
+        self.reg_weight = float(reg_weight)
+
+    def settings(self) -> dict[str, Any]:
+        return {**super().settings(), "reg_weight": self.reg_weight}
+
+    def forward(self, encoder: MultiVectorEncoder, batch: TripleBatch) -> LossOutput:
+        if not isinstance(encoder, HILEncoder):
+            raise TypeError(f"HILAuthorsLoss scores the heads L and H of a HILEncoder; got a {type(encoder).__name__} "
+                            f"(set model.encoder.class_path: hil.modeling.hil.HILEncoder)")
+        n = batch.size
+        late, _ = encoder.training_pair_scores(batch.queries, batch.docs, batch.pair_index)  # head -> (2B,)
+        total = (late["L"] + late["H"]) / 2
+        loss_late = pairwise_ce_loss(total[:n], total[n:])
+        paired = batch.paired_queries
+        dots = {head: mean_token_dot(paired.heads[head], batch.docs.heads[head]) for head in HEADS}
+        reg = authors_hil_reg(dots["L"], dots["H"])
+        loss = loss_late + self.reg_weight * reg
+        parts = {"loss_late": loss_late, "loss_reg": reg, "mean_dot_L": dots["L"], "mean_dot_H": dots["H"],
+                 "inter_iso_H": batch.inter_iso("H").mean(), **pair_diagnostics(total[:n], total[n:])}
         for head in HEADS:
             mean, std = encoder.running_moments(head)
             parts[f"zscore_mean_{head}"] = mean

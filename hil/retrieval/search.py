@@ -51,8 +51,11 @@ def score_documents(encoder: Encoder, queries: EncodedBatch, store: TokenStore, 
 
     Documents are sorted by length and scored in blocks of at most ``block_tokens`` padded tokens (little
     padding, bounded memory); queries in sub-batches that keep the similarity tensor under ``_SIM_ELEMENTS``.
-    ``by_head=True`` returns each head's score instead (``encoder.score_heads``), in one pass.
+    ``by_head=True`` returns each head's score instead (``encoder.score_heads``), in one pass. An encoder that
+    ``normalizes_per_query`` gets its per-query moments from all C documents, accumulated over the blocks.
     """
+    if encoder.normalizes_per_query:
+        return _score_documents_per_query(encoder, queries, store, doc_indices, block_tokens, by_head)
     doc_indices = np.asarray(doc_indices, dtype=np.int64)
     n_queries = len(queries)
     if by_head:
@@ -63,6 +66,15 @@ def score_documents(encoder: Encoder, queries: EncodedBatch, store: TokenStore, 
         def score_fn(q: EncodedBatch, d: EncodedBatch) -> dict[str, torch.Tensor]:
             return {"": encoder.score(q, d)}
         out = {"": np.empty((n_queries, len(doc_indices)), dtype=np.float32)}
+    for block, part, docs in _blocks(encoder, queries, store, doc_indices, block_tokens):
+        for name, values in score_fn(queries.select(part), docs).items():
+            out[name][part, block] = values.float().cpu().numpy()
+    return out if by_head else out[""]
+
+
+def _blocks(encoder: Encoder, queries: EncodedBatch, store: TokenStore, doc_indices: np.ndarray,
+            block_tokens: int) -> Iterator[tuple[np.ndarray, slice, EncodedBatch]]:
+    """(positions in ``doc_indices``, query slice, gathered documents) of each scoring call."""
     lengths = store.doc_lengths[doc_indices]
     order = np.argsort(lengths, kind="stable")
     query_len = queries.mask.shape[1]
@@ -70,11 +82,27 @@ def score_documents(encoder: Encoder, queries: EncodedBatch, store: TokenStore, 
         block = order[start:end]
         docs = gather_documents(store, doc_indices[block], heads=encoder.head_names, device=encoder.device)
         step = max(1, _SIM_ELEMENTS // max(1, query_len * docs.mask.numel()))  # queries per score call
-        for q_start in range(0, n_queries, step):
-            part = queries.select(slice(q_start, q_start + step))
-            for name, values in score_fn(part, docs).items():
-                out[name][q_start: q_start + step, block] = values.float().cpu().numpy()
-    return out if by_head else out[""]
+        for q_start in range(0, len(queries), step):
+            yield block, slice(q_start, q_start + step), docs
+
+
+def _score_documents_per_query(encoder: Encoder, queries: EncodedBatch, store: TokenStore, doc_indices: np.ndarray,
+                               block_tokens: int, by_head: bool) -> np.ndarray | dict[str, np.ndarray]:
+    """``score_documents`` for an encoder whose moments are per query: sums first, z-scores at the end."""
+    doc_indices = np.asarray(doc_indices, dtype=np.int64)
+    shape = (len(queries), len(doc_indices))
+    sums = {head: np.zeros(shape, dtype=np.float64) for head in encoder.head_names}
+    squares = {head: np.zeros(shape, dtype=np.float64) for head in encoder.head_names}
+    counts: dict[str, np.ndarray] = {}
+    for block, part, docs in _blocks(encoder, queries, store, doc_indices, block_tokens):
+        for head, (late_raw, square_sums, n_tokens) in encoder.raw_head_scores(queries.select(part), docs).items():
+            sums[head][part, block] = late_raw.double().cpu().numpy()
+            squares[head][part, block] = square_sums.double().cpu().numpy()
+            counts.setdefault(head, np.zeros(len(queries), dtype=np.float64))[part] = n_tokens.double().cpu().numpy()
+    totals = {head: (torch.from_numpy(sums[head]), torch.from_numpy(squares[head]),
+                     torch.from_numpy(counts.get(head, np.zeros(len(queries))))) for head in encoder.head_names}
+    out = {head: values.float().numpy() for head, values in encoder.normalize_per_query(totals).items()}
+    return out if by_head else sum(out.values())
 
 
 def top_k(scores: np.ndarray, doc_indices: np.ndarray, doc_id_rank: np.ndarray,
@@ -279,8 +307,9 @@ def exhaustive_scores(encoder: Encoder, store: TokenStore, queries: dict[str, st
                                   for i in range(0, len(texts), batch_size)])
         heads = score_documents(encoder, encoded, store, every, block_tokens=block_tokens, by_head=True)
         total = sum(heads.values()) if len(heads) > 1 else next(iter(heads.values()))
-        corner = score_documents(encoder, encoded.select(slice(0, 4)), store, every[:64], block_tokens=block_tokens)
-    if not np.allclose(corner, total[:4, :64], atol=1e-3, rtol=1e-4):
+        # every document: an encoder normalizing per query takes its moments from all of them
+        corner = score_documents(encoder, encoded.select(slice(0, 4)), store, every, block_tokens=block_tokens)
+    if not np.allclose(corner, total[:4], atol=1e-3, rtol=1e-4):
         raise ValueError(f"{encoder.architecture}: its score is not the sum of its heads' scores (a weighted "
                          "ensemble?); keep_head_scores needs a model that adds its heads")
     return encoded, heads, total

@@ -221,6 +221,16 @@ class TransformedEncoder(Encoder):
     def score_heads(self, queries: EncodedBatch, docs: EncodedBatch, all_pairs: bool = True) -> dict[str, Tensor]:
         return self.inner.score_heads(queries, docs, all_pairs)
 
+    @property
+    def normalizes_per_query(self) -> bool:
+        return self.inner.normalizes_per_query
+
+    def raw_head_scores(self, queries: EncodedBatch, docs: EncodedBatch) -> dict[str, tuple[Tensor, Tensor, Tensor]]:
+        return self.inner.raw_head_scores(queries, docs)
+
+    def normalize_per_query(self, sums: dict[str, tuple[Tensor, Tensor, Tensor]]) -> dict[str, Tensor]:
+        return self.inner.normalize_per_query(sums)
+
     def transform_settings(self) -> dict[str, Any]:
         """What ``settings()["post_transform"]`` holds: spec, mode, per-head settings and parameter fingerprints."""
         return {"spec": self.spec, "mode": self.mode,
