@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from conftest import random_bert
 
 from hil.data.idf import AUTHORS_FORMULA, IDFTable
-from hil.isotropy.regularizers import ConditionalIsotropyRegularizer, conditional_isotropy, mean_token_dot
+from hil.isotropy.regularizers import (ConditionalIsotropyRegularizer, authors_hil_reg, conditional_isotropy,
+                                       mean_token_dot)
 from hil.modeling.encoder import ColBERTEncoder, upgrade_settings
 from hil.modeling.hil import HILEncoder
 from hil.modeling.hil_scoring import batch_moments, per_query_moments, zscore_from_sums
@@ -202,6 +203,10 @@ def test_mean_token_dot_and_conditional_isotropy_match_slow_loops():
     d = F.normalize(torch.randn(2, 5, 4), dim=-1)
     d[1, 3:] = 0.0  # padding rows
     assert mean_token_dot(q, d).item() == pytest.approx(torch.einsum("bid,bjd->bij", q, d).mean().item(), abs=1e-6)
+    # the authors' sensim term: mean(H dots) - |mean(L dots)|, with L's mean negative here (-q against q)
+    mean_L, mean_H = mean_token_dot(q, -q), mean_token_dot(q, q)
+    assert mean_L.item() < 0
+    assert authors_hil_reg(mean_L, mean_H).item() == pytest.approx(mean_H.item() - abs(mean_L.item()), abs=1e-6)
     total, count = 0.0, 0
     for b in range(2):
         for i in range(3):
