@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from hil.modeling.distributed import gather_encoded, gather_padded, is_distributed
+from hil.modeling.losses import in_batch_ce_loss
 from hil.modeling.scoring import late_interaction_matrix
 
 REPO = Path(__file__).resolve().parents[1]
@@ -110,11 +111,12 @@ def _gather_worker(rank: int, world: int, port: int) -> None:
         assert torch.equal(gathered.mask, ref_mask)
         assert gathered.offset == (0 if rank == 0 else 2 * QUERIES_PER_RANK[0])
 
-        # the loss exactly as losses.InBatchCE computes it (gather_encoded + score + shifted targets)
+        # the loss through the real pieces InBatchCE uses (gather_encoded, then in_batch_ce_loss at this rank's
+        # offset); tests/test_ddp_inbatch_loss.py calls InBatchCE itself
         everyone, offset = gather_encoded(Batch({"colbert": d}, d_mask, ids))
         assert torch.equal(everyone.input_ids[offset: offset + len(ids), : ids.shape[1]], ids)
         scores = late_interaction_matrix(q, everyone.heads["colbert"], None, everyone.mask)
-        loss = F.cross_entropy(scores, offset + torch.arange(len(q)))
+        loss = in_batch_ce_loss(scores, offset)
         assert abs(float(loss) - ref_losses[rank]) < 1e-6, (float(loss), ref_losses[rank])
         loss.backward()
         # Gradients: this rank's queries and documents get d(sum of all ranks' losses)/d(them), i.e. after DDP's
