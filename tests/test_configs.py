@@ -248,7 +248,10 @@ def test_diagnostic_deltas_change_one_setting_of_the_model_they_stack_on():
     profile = PROFILES["smoke"]
     paper = print_config(profile.config_args("hil")[:-2])["model"]["encoder"]["init_args"]
     changed = {"hil_detach_h": {"zscore_detach": ["H"]}, "hil_fixed_temperature": {"zscore_temperature": 1.0},
-               "hil_attend_mask": {"attend_to_mask_tokens": True}}
+               "hil_attend_mask": {"attend_to_mask_tokens": True}, "hil_torch_init": {"head_init": "torch"},
+               "hil_no_clip": {}}
     for name, expected in changed.items():
-        args = print_config(profile.config_args(name)[:-2])["model"]["encoder"]["init_args"]
+        resolved = print_config(profile.config_args(name)[:-2])
+        args = resolved["model"]["encoder"]["init_args"]
         assert {k: v for k, v in args.items() if paper.get(k) != v} == expected, name
+        assert resolved["trainer"]["gradient_clip_val"] == (None if name == "hil_no_clip" else 2.0), name

@@ -44,9 +44,12 @@ VARIANTS: dict[str, tuple[str | tuple[str, ...] | None, str]] = {
     "hil_fixed_temperature": (("colbert_hil", "diagnostics/fixed_temperature"), "ColBERT-HIL, fixed temperature 1"),
     "hil_attend_mask": (("colbert_hil", "diagnostics/attend_mask"), "ColBERT-HIL, [MASK] attended"),
     "colbert_attend_mask": ("diagnostics/attend_mask", "ColBERT, [MASK] attended"),
+    "hil_no_clip": (("colbert_hil", "diagnostics/no_clip"), "ColBERT-HIL, no gradient clipping"),
+    "hil_torch_init": (("colbert_hil", "diagnostics/torch_head_init"), "ColBERT-HIL, torch head init"),
 }
 # Trained only when asked for by name (--variants): they explain a result rather than reproduce a table.
-DIAGNOSTICS = ("hil_detach_h", "hil_fixed_temperature", "hil_attend_mask", "colbert_attend_mask")
+DIAGNOSTICS = ("hil_detach_h", "hil_fixed_temperature", "hil_attend_mask", "colbert_attend_mask", "hil_no_clip",
+               "hil_torch_init")
 DEFAULT_VARIANTS = tuple(name for name in VARIANTS if name not in DIAGNOSTICS)
 # ColBERT-lambda is not trained: it adds the scores of the two trained members (001 Section 3.2).
 ENSEMBLES: dict[str, tuple[str, str, str]] = {"lambda": ("iso", "aniso", "ColBERT-lambda")}

@@ -26,14 +26,15 @@ from hil.experiments.profiles import DATASETS, ENSEMBLES, FIRST_STAGES, VARIANTS
 from hil.provenance import git_commit, provenance, versions
 
 METRIC = "ndcg@10"
-DIAGNOSTIC_ROWS = ("hil_detach_h", "hil_fixed_temperature", "hil_attend_mask", "colbert_attend_mask")
+DIAGNOSTIC_ROWS = ("hil_detach_h", "hil_fixed_temperature", "hil_attend_mask", "hil_no_clip", "hil_torch_init",
+                   "colbert_attend_mask")
 MAIN_ROWS = ("bm25", "colbert", "cosreg", "istar", "iso", "aniso", "lambda", "hil", "hil_corpus_idf", "hil_authors",
              "hil_authors_target_idf", *DIAGNOSTIC_ROWS)
 LENGTH_ROWS = ("bm25", "colbert", "hil", "hil_authors", "hil_authors_target_idf", *DIAGNOSTIC_ROWS)
 ABLATION_ROWS = ("hil_no_reg", "hil_no_reg_h", "hil_no_reg_l", "hil")
 TABLE3_ROWS = ("colbert", "cosreg", "istar", "iso", "aniso", "lambda", "hil", "hil_corpus_idf")
 MODULE_ROWS = ("lambda", "hil", "hil_corpus_idf", "hil_no_reg_l", "hil_no_reg_h", "hil_no_reg", "hil_authors",
-               "hil_authors_target_idf", *DIAGNOSTIC_ROWS[:3])
+               "hil_authors_target_idf", *DIAGNOSTIC_ROWS[:5])
 DATASET_LABELS = {"scifact": "SciFact", "nfcorpus": "NFCorpus", "dl19": "TREC DL19"}
 
 Results = dict[str, dict[str, dict[str, Any]]]  # dataset key -> model name -> evaluation record
