@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import os
+import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -52,3 +54,31 @@ def tiny_random_colbert(hf_tokenizer):
     torch.manual_seed(0)
     return ColBERTEncoder("random-bert", dim=16, query_maxlen=12, doc_maxlen=24,
                           _loaded=(random_bert(), hf_tokenizer)).eval()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_spawned(worker, world: int = 2, timeout: float = 120.0) -> None:
+    """torch.multiprocessing spawn with a deadline, so that a collective that hangs fails the test."""
+    import torch.multiprocessing as mp
+
+    context = mp.start_processes(worker, args=(world, free_port()), nprocs=world, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    while not context.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"spawned gloo workers did not finish in {timeout:.0f} s (a collective hung?)")
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models' matrices gain nothing from a second thread, and lose much when the cores are busy."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

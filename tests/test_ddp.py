@@ -14,10 +14,8 @@ from __future__ import annotations
 import collections
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from conftest import run_spawned
 
 from hil.modeling.distributed import gather_encoded, gather_padded, is_distributed
 from hil.modeling.losses import in_batch_ce_loss
@@ -41,12 +40,6 @@ def subprocess_env() -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(REPO), env.get("PYTHONPATH", "")])
     env.setdefault("HF_HUB_OFFLINE", "1")
     return env
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # -- spawned gloo workers -------------------------------------------------------------------------------------------
@@ -128,19 +121,6 @@ def _gather_worker(rank: int, world: int, port: int) -> None:
         assert is_distributed()
     finally:
         dist.destroy_process_group()
-
-
-def run_spawned(worker, world: int = 2, timeout: float = 120.0) -> None:
-    """torch.multiprocessing spawn with a deadline, so that a collective that hangs fails the test."""
-    import torch.multiprocessing as mp
-
-    context = mp.start_processes(worker, args=(world, free_port()), nprocs=world, join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout
-    while not context.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"spawned gloo workers did not finish in {timeout:.0f} s (a collective hung?)")
 
 
 def test_gather_padded_and_cross_rank_in_batch_loss_match_one_process():

@@ -12,25 +12,18 @@ Keep this module's top-level imports light (no Lightning, no transformers): spaw
 from __future__ import annotations
 
 import math
-import socket
-import time
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from conftest import run_spawned
 
 QUERIES_PER_RANK = (3, 2)   # uneven on purpose
 DOC_LENGTHS = (5, 7)        # rank 1's documents are longer than rank 0's
 QUERY_LENGTHS = (4, 6)      # and so are its queries
 DIM = 8
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def rank_batches():
@@ -140,19 +133,6 @@ def _worker(rank: int, world: int, port: int) -> None:
         torch.testing.assert_close(d.grad, ref_d_grads[rank], rtol=1e-4, atol=1e-6)
     finally:
         dist.destroy_process_group()
-
-
-def run_spawned(worker, world: int = 2, timeout: float = 120.0) -> None:
-    """torch.multiprocessing spawn with a deadline, so that a collective that hangs fails the test."""
-    import torch.multiprocessing as mp
-
-    context = mp.start_processes(worker, args=(world, free_port()), nprocs=world, join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout
-    while not context.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"spawned gloo workers did not finish in {timeout:.0f} s (a collective hung?)")
 
 
 def test_reference_itself_is_the_one_process_in_batch_loss():

@@ -11,10 +11,22 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hil.isotropy.linear_transforms import MomentAccumulator, RemoveTopPCs, Standardize, Whitening
+from hil.isotropy.linear_transforms import (
+    MomentAccumulator,
+    RemoveTopPCs,
+    Standardize,
+    Whitening,
+)
 from hil.isotropy.nice_flow import NICEFlow
-from hil.isotropy.postprocess import (TransformPipeline, fit_transform_from_config, fit_whitening, load_transform,
-                                      make_transform, parse_transform_spec, pool_for_fitting)
+from hil.isotropy.postprocess import (
+    TransformPipeline,
+    fit_transform_from_config,
+    fit_whitening,
+    load_transform,
+    make_transform,
+    parse_transform_spec,
+    pool_for_fitting,
+)
 
 
 def correlated_gaussian(n: int = 20000, dim: int = 8, seed: int = 0, dtype=torch.float64) -> torch.Tensor:
@@ -289,15 +301,6 @@ def test_nice_log_det_matches_numerical_jacobian():
     z, log_det = flow(x)
     manual = (-0.5 * z ** 2 - 0.5 * math.log(2 * math.pi)).sum(dim=1) + log_det
     assert torch.allclose(flow.log_prob(x), manual)
-
-
-@pytest.fixture
-def one_thread():
-    """Tiny matmuls: one thread is faster, and steadier on a shared machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def test_nice_training_increases_held_out_likelihood(one_thread):

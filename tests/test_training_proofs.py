@@ -145,15 +145,6 @@ def pair_margins(encoder, triples) -> np.ndarray:
     return (positive - negative).numpy()
 
 
-@pytest.fixture
-def one_thread():
-    """The tiny model's matrices gain nothing from a second thread, and lose much when the cores are busy."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.mark.integration
 @pytest.mark.parametrize("architecture", ["colbert", "hil"])
 def test_overfitting_a_handful_of_triples_prefers_every_positive(shared_dir, tmp_path, one_thread, architecture):

@@ -261,8 +261,7 @@ class HILEncoder(MultiVectorEncoder):
                 if all_pairs:
                     mean, std = per_query_moments(scores[head], masks[head], self.zscore_eps, self.unbiased_std)
                 else:  # paired rows: one set of moments over the batch, as in training
-                    mean, std = batch_moments(scores[head], masks[head].expand_as(scores[head]), self.zscore_eps,
-                                              self.unbiased_std)
+                    mean, std = batch_moments(scores[head], masks[head], self.zscore_eps, self.unbiased_std)
                 if self.zscore_temperature is not None:
                     std = torch.full_like(std, self.zscore_temperature)
             else:

@@ -59,6 +59,14 @@ def pair_diagnostics(positive_scores: Tensor, negative_scores: Tensor) -> dict[s
     return {"pair_accuracy": (positive > negative).float().mean(), "score_margin": (positive - negative).mean()}
 
 
+def running_moment_logs(encoder: HILEncoder) -> dict[str, Tensor]:
+    """ColBERT-HIL's running z-score estimates, logged by both HIL losses (``zscore_mean_<head>``, ``zscore_std_<head>``)."""
+    logs = {}
+    for head in HEADS:
+        logs[f"zscore_mean_{head}"], logs[f"zscore_std_{head}"] = encoder.running_moments(head)
+    return logs
+
+
 # -- the batch a loss sees ------------------------------------------------------------------------------------------
 
 
@@ -201,10 +209,7 @@ class HILLoss(TrainingLoss):
         parts = {"loss_late_L": loss_late["L"], "loss_late_H": loss_late["H"], "loss_reg_L": reg_L,
                  "loss_reg_H": reg_H, "inter_iso_L": iso["L"].mean(), "inter_iso_H": iso["H"].mean(),
                  "delta_inter_iso": iso["H"].mean() - iso["L"].mean(), **pair_diagnostics(total[:n], total[n:])}
-        for head in HEADS:
-            mean, std = encoder.running_moments(head)
-            parts[f"zscore_mean_{head}"] = mean
-            parts[f"zscore_std_{head}"] = std
+        parts.update(running_moment_logs(encoder))
         return LossOutput(loss, {k: v.detach().float() for k, v in parts.items()})
 
 
@@ -238,8 +243,5 @@ class HILAuthorsLoss(TrainingLoss):
         loss = loss_late + self.reg_weight * reg
         parts = {"loss_late": loss_late, "loss_reg": reg, "mean_dot_L": dots["L"], "mean_dot_H": dots["H"],
                  "inter_iso_H": batch.inter_iso("H").mean(), **pair_diagnostics(total[:n], total[n:])}
-        for head in HEADS:
-            mean, std = encoder.running_moments(head)
-            parts[f"zscore_mean_{head}"] = mean
-            parts[f"zscore_std_{head}"] = std
+        parts.update(running_moment_logs(encoder))
         return LossOutput(loss, {k: v.detach().float() for k, v in parts.items()})
