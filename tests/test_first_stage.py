@@ -123,6 +123,7 @@ def test_cli_refuses_a_first_stage_run_with_full_ranking(rerank_set, tmp_path, c
     folder, run_file = rerank_set
     assert main(cli("--dataset", str(folder), "--first-stage-run", str(run_file), "--mode", "full")) == 2
     assert "needs --mode rerank or exhaustive" in capsys.readouterr().err
-    # and a re-ranking set's outside judgments stay an error without a first stage
-    assert main(cli("--dataset", str(folder), "--mode", "bm25")) == 2
-    assert "is not in the corpus" in capsys.readouterr().err
+    # without a first stage, the outside judgments are kept too (as BEIR and trec_eval keep them) and counted
+    assert main(cli("--dataset", str(folder), "--mode", "bm25", "--output", str(tmp_path / "o"))) == 0
+    metrics = json.loads((tmp_path / "o" / "metrics.json").read_text())
+    assert metrics["dataset"]["judged_outside_corpus"] == 8

@@ -14,10 +14,17 @@ With --transform, the model is evaluated as is and with each post-hoc transform 
 base index, saved as transform_<head>.pt in the derived index folder); metrics.json then also holds bootstrap
 intervals and paired tests of every run against the untransformed model (and BM25).
 
+On a GPU machine the model runs on the GPU by default (--device auto); --precision fp16 encodes the corpus with
+autocast, --processes N encodes it on N GPUs (or N CPU processes) through Lightning Fabric:
+    python evaluate.py --model runs/colbert/export --dataset scifact --device cuda --precision fp16
+    python evaluate.py --model runs/colbert/export --dataset nfcorpus --device cuda --processes 4
+
+Judgments of documents that are not in the corpus (some official BEIR qrels have them; a re-ranking set such as
+TREC DL19's has many) are kept, as BEIR and trec_eval keep them (they count in the ideal DCG), with one warning
+giving their count, recorded in metrics.json.
+
 With --first-stage-run, the candidates are a TREC run file's (each query's best --rerank-depth documents by score,
-all of them by default); the run itself, scored as given, is the baseline row instead of BM25; the dataset's qrels
-may then judge documents outside its corpus (a re-ranking set), and are kept with a warning giving their count
-(recorded in metrics.json). A run that is missing, malformed, or names a query or document the dataset lacks is a
+all of them by default); the run itself, scored as given, is the baseline row instead of BM25. A run that is missing, malformed, or names a query or document the dataset lacks is a
 one-line error naming file and line (exit status 2).
 """
 
@@ -42,6 +49,7 @@ from hil.modeling.contracts import Encoder
 from hil.modeling.hil import HILEncoder
 from hil.modeling.loading import load_encoder
 from hil.retrieval.backends.registry import FAISS_KINDS as BACKEND_KINDS
+from hil.retrieval.devices import PRECISIONS, check_precision, resolve_device
 from hil.retrieval.fast_encode import DOCUMENT_ENCODINGS
 from hil.retrieval.index import encoder_fingerprint
 
@@ -78,6 +86,15 @@ def build_parser() -> argparse.ArgumentParser:
                              "matrix products, ~2x PyLate's speed on a CPU (bench/README has its nDCG@10 cost); "
                              "onnx = the same runtime in fp32; int8 = PyTorch SmoothQuant int8; "
                              "compile = torch.compile")
+    parser.add_argument("--device", default="auto",
+                        help="where the model runs: auto (the GPU when there is one), cpu, cuda, cuda:N")
+    parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                        help="corpus encoding autocast: fp16 or bf16 on a GPU (bf16 also on a CPU); queries stay fp32")
+    parser.add_argument("--processes", type=int, default=1,
+                        help="processes that encode the corpus (Lightning Fabric): one per GPU with --device cuda, "
+                             "CPU processes otherwise; the index is the same as a one-process build's")
+    parser.add_argument("--faiss-gpu", action=argparse.BooleanOptionalAction, default=None,
+                        help="FAISS search on the GPU (default: on the model's GPU when faiss-gpu is installed)")
     parser.add_argument("--index-root", default="indexes")
     parser.add_argument("--output", default=None, help="results folder (default results/<dataset>/<model>)")
     parser.add_argument("--batch-size", type=int, default=32)
@@ -115,7 +132,8 @@ def settings_from(args: argparse.Namespace) -> EvaluationSettings:
         index_root=args.index_root, backend=args.faiss, backend_params=args.faiss_params,
         ncandidates=args.ncandidates, rerank_depth=args.rerank_depth or 100, batch_size=args.batch_size,
         document_encoding=None if args.encode_documents == "fp32" else args.encode_documents,
-        progress=not args.quiet)
+        progress=not args.quiet, device=args.device, precision=args.precision, processes=args.processes,
+        faiss_gpu=args.faiss_gpu)
 
 
 def load_model(args: argparse.Namespace, dataset: BeirDataset) -> Encoder:
@@ -170,13 +188,25 @@ def check_arguments(args: argparse.Namespace) -> str | None:
         return f"--rerank-depth must be >= 1 (got {args.rerank_depth})"
     if args.relevance_level < 1:
         return f"--relevance-level must be >= 1 (got {args.relevance_level})"
+    if args.processes < 1:
+        return f"--processes must be >= 1 (got {args.processes})"
+    try:
+        device = resolve_device(args.device)
+        check_precision(args.precision, device)
+    except ValueError as error:
+        return f"--device/--precision: {error}"
+    if args.processes > 1 and device.type == "cuda" and torch.cuda.device_count() < args.processes:
+        return f"--processes {args.processes} needs as many GPUs with --device cuda; this machine has " \
+               f"{torch.cuda.device_count()}"
     return None
 
 
 def load_data(args: argparse.Namespace) -> tuple[BeirDataset, Evaluation | None, dict[str, list[str]] | None]:
     """The dataset (sliced as asked), the first-stage run file scored on it, and that run's candidates."""
-    outside = "keep" if args.first_stage_run else "error"  # a re-ranking set: judgments beyond its corpus count
-    dataset = load_beir(args.dataset, split=args.split, data_dir=args.data_dir, judged_outside_corpus=outside,
+    # Judgments of documents outside the corpus (official BEIR qrels have some; a re-ranking set has many) are kept,
+    # as BEIR and trec_eval keep them (they count in the ideal DCG): one warning gives their count, and
+    # metrics.json records it.
+    dataset = load_beir(args.dataset, split=args.split, data_dir=args.data_dir, judged_outside_corpus="keep",
                         relevance_level=args.relevance_level)
     first = None
     if args.first_stage_run:  # checked against the whole dataset, then sliced with it

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import numpy as np
+import torch
 
 from hil.data.beir import BeirDataset
 from hil.data.bm25 import bm25_run
@@ -30,6 +31,7 @@ from hil.evaluation.metrics import DEFAULT_METRICS, evaluate_run
 from hil.evaluation.runs import candidates_from_run, read_trec_run, run_depth
 from hil.modeling.contracts import EncodedBatch, Encoder
 from hil.retrieval.builder import open_or_build_index
+from hil.retrieval.devices import PRECISIONS, autocast, check_precision, faiss_gpu_for, resolve_device
 from hil.retrieval.encoding import encode_document_tokens, eval_mode
 from hil.retrieval.index import TokenIndex, encoder_fingerprint
 from hil.retrieval.search import SearchResult, exact_rank, exhaustive_scores, full_rank, rank_matrix, rerank
@@ -59,6 +61,15 @@ class EvaluationSettings:
         keep_candidate_sources: record which heads retrieved every first-stage candidate (full mode).
         keep_head_scores: exhaustive mode: keep each head's dense (queries, documents) score matrix.
         progress: progress bars.
+        device: where the encoder runs (``auto``: the GPU when there is one; ``cpu``, ``cuda``, ``cuda:N``;
+            :func:`hil.retrieval.devices.resolve_device`); ``evaluate`` moves the encoder there. FAISS searches on
+            that GPU where faiss-gpu sees it (``faiss_gpu=None``), else on the CPU.
+        precision: the corpus encoding's autocast (``fp32``, ``fp16`` on a GPU, ``bf16``); queries stay fp32.
+            Recorded in the index, which is rebuilt when it differs.
+        processes: processes that encode the corpus (one per GPU, or CPU processes), through Lightning Fabric;
+            the index is the same as a one-process build's.
+        faiss_gpu: FAISS on the GPU (True), on the CPU (False), or on the encoder's GPU where faiss-gpu sees
+            it (None).
     """
 
     mode: str = "full"
@@ -76,15 +87,21 @@ class EvaluationSettings:
     keep_candidate_sources: bool = False
     keep_head_scores: bool = False
     progress: bool = True
+    device: str = "auto"
+    precision: str = "fp32"
+    processes: int = 1
+    faiss_gpu: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS} (got {self.precision!r})")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES} (got {self.mode!r})")
         if self.mode == "full" and self.index_root is None:
             raise ValueError("full ranking searches an index: give index_root")
         if self.keep_head_scores and self.mode != "exhaustive":
             raise ValueError("keep_head_scores needs mode='exhaustive' (dense score matrices)")
-        for name in ("k", "rerank_depth", "batch_size", "query_batch_size"):
+        for name in ("k", "rerank_depth", "batch_size", "query_batch_size", "processes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
 
@@ -170,14 +187,41 @@ def index_dir(root: str | Path, dataset: BeirDataset, encoder: Encoder, document
     return folder.with_name(f"{folder.name}-{document_encoding}") if document_encoding else folder
 
 
+def place_encoder(encoder: Encoder, settings: EvaluationSettings) -> torch.device:
+    """Move ``encoder`` (in place) to ``settings.device`` after checking that the device exists and can autocast to
+    ``settings.precision``; -> the device."""
+    device = resolve_device(settings.device)
+    check_precision(settings.precision, device)
+    if settings.processes > 1 and device.type == "cuda" and torch.cuda.device_count() < settings.processes:
+        raise ValueError(f"processes={settings.processes} encoding processes need as many GPUs; this machine has "
+                         f"{torch.cuda.device_count()}")
+    if encoder.device != device:
+        encoder.to(device)
+    return device
+
+
+def faiss_on_gpu(settings: EvaluationSettings, device: torch.device) -> int | None:
+    """The GPU FAISS searches on (None: the CPU): ``faiss_gpu`` False -> CPU; True or None -> the encoder's GPU where
+    faiss-gpu sees it (True on a CPU encoder: GPU 0)."""
+    if settings.faiss_gpu is False:
+        return None
+    if settings.faiss_gpu and device.type != "cuda":
+        device = torch.device("cuda", 0)
+    return faiss_gpu_for(device)
+
+
 def document_store(encoder: Encoder, dataset: BeirDataset, settings: EvaluationSettings) -> TokenStore:
     """The corpus as the model scores it: the index under ``settings.index_root`` (built or reused), or encoded
-    in memory (fp16, as an index stores it) when that is None."""
+    in memory (fp16, as an index stores it) when that is None; on the encoder's device, in ``settings.precision``."""
     if settings.index_root is None:
-        with eval_mode(encoder):
+        with eval_mode(encoder), autocast(encoder.device, settings.precision):
             tokens = encode_document_tokens(encoder, dataset.documents(), batch_size=settings.batch_size)
         return tokens.to_store(dataset.doc_ids())
     quantize = {"quantize": settings.document_encoding} if settings.document_encoding else {}
+    if settings.precision != "fp32" or settings.processes > 1:  # TODO(lead): always, once the builder takes them
+        quantize.update(precision=settings.precision, processes=settings.processes)
+    gpu = faiss_on_gpu(settings, encoder.device)
+    quantize.update(use_gpu=gpu is not None)
     return open_or_build_index(encoder, dataset.doc_ids(), dataset.documents(),
                                index_dir(settings.index_root, dataset, encoder, settings.document_encoding),
                                batch_size=settings.batch_size, faiss_kind=settings.backend,
@@ -191,7 +235,10 @@ def _search(encoder: Encoder, dataset: BeirDataset, store: TokenStore | None, se
     if settings.mode == "full":
         if not isinstance(store, TokenIndex):
             raise ValueError("full ranking searches an index on disk (a TokenIndex), not documents held in memory")
-        options = {} if settings.ncandidates is None else {"ncandidates": settings.ncandidates}
+        options: dict[str, Any] = {} if settings.ncandidates is None else {"ncandidates": settings.ncandidates}
+        gpu = faiss_on_gpu(settings, encoder.device)
+        if gpu is not None:
+            options.update(use_gpu=True, gpu_device=gpu)
         return full_rank(encoder, store, queries, k=k, progress=progress, batch_size=settings.query_batch_size,
                          keep_candidate_sources=settings.keep_candidate_sources, **options), None
     if settings.mode == "rerank":
@@ -220,6 +267,7 @@ def evaluate(encoder: Encoder, dataset: BeirDataset, settings: EvaluationSetting
     """
     if settings.mode == "rerank" and candidates is None:
         raise ValueError("mode='rerank' needs candidates (e.g. first_stage(evaluate_bm25(dataset), depth))")
+    device = place_encoder(encoder, settings)
     started = time.perf_counter()
     if store is None and not (settings.mode == "rerank" and settings.index_root is None):
         store = document_store(encoder, dataset, settings)
@@ -227,7 +275,8 @@ def evaluate(encoder: Encoder, dataset: BeirDataset, settings: EvaluationSetting
     started = time.perf_counter()
     result, head_scores = _search(encoder, dataset, store, settings, candidates)
     search_seconds = time.perf_counter() - started
-    details: dict[str, Any] = {"mode": settings.mode, "index_seconds": round(index_seconds, 3),
+    details: dict[str, Any] = {"mode": settings.mode, "device": str(device), "precision": settings.precision,
+                               "processes": settings.processes, "index_seconds": round(index_seconds, 3),
                                "search_seconds": round(search_seconds, 3), "search_stats": result.stats,
                                "sources": result.sources}
     if isinstance(store, TokenIndex):

@@ -57,6 +57,7 @@ from hil.modeling.hil import HILEncoder
 from hil.modeling.loading import load_encoder
 from hil.provenance import atomic_output, provenance, write_json_atomic
 from hil.modeling.contracts import Encoder
+from hil.retrieval.devices import PRECISIONS, check_precision, resolve_device
 from hil.retrieval.encoding import eval_mode
 from hil.retrieval.search import rank_matrix
 from hil.retrieval.store import gather_documents
@@ -187,8 +188,9 @@ def pair_inter_iso(encoder: Encoder, evaluation: Evaluation, pairs: list[tuple[s
     scores, store = evaluation.head_scores, evaluation.store
     row_of = {q: i for i, q in enumerate(scores.qids)}
     rows = torch.tensor([row_of[q] for q, _ in pairs], dtype=torch.long)
-    docs = gather_documents(store, [store.doc_index[d] for _, d in pairs], heads=encoder.head_names)
-    queries = scores.queries
+    queries = scores.queries  # on the encoder's device
+    docs = gather_documents(store, [store.doc_index[d] for _, d in pairs], heads=encoder.head_names,
+                            device=queries.mask.device)
     return {head: float(inter_iso(queries.heads[head][rows].float(), docs.heads[head], queries.mask[rows],
                                   docs.mask).mean()) for head in encoder.head_names}
 
@@ -212,7 +214,8 @@ def evaluate_model(name: str, source: str, key: str, dataset: BeirDataset, profi
     elif corpus_idf:
         encoder.set_idf_from_texts(dataset.documents(), source=f"{dataset.name} corpus")
     settings = EvaluationSettings(mode="exhaustive", k=profile.k, index_root=None, keep_head_scores=True,
-                                  batch_size=profile.encode_batch_size, progress=False)
+                                  batch_size=profile.encode_batch_size, progress=False, device=profile.device,
+                                  precision=profile.precision)
     candidates = bm25_candidates if mode == "rerank" else None
     with eval_mode(encoder):
         evaluation = evaluate(encoder, dataset, settings, name=name, candidates=candidates)
@@ -366,6 +369,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-steps", type=int, default=None, help="override the profile's training steps")
     parser.add_argument("--configs", default=str(REPO_CONFIGS),
                         help="config folder (colbert.yaml, variants/, presets/)")
+    parser.add_argument("--device", default=None,
+                        help="where models are evaluated: auto (the GPU when there is one; the default), cpu, cuda, "
+                             "cuda:N")
+    parser.add_argument("--precision", choices=PRECISIONS, default=None,
+                        help="corpus encoding autocast at evaluation (default: the profile's, fp32)")
     parser.add_argument("--force", action="store_true", help="redo finished stages instead of skipping them")
     parser.add_argument("--report-only", action="store_true", help="only rewrite the report from finished stages")
     parser.add_argument("--publish", default=None, metavar="DIR",
@@ -400,6 +408,14 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         profile = replace(profile, max_steps=args.max_steps)
     profile = replace(profile, configs=Path(args.configs))
+    overrides = {k: v for k, v in (("device", args.device), ("precision", args.precision)) if v is not None}
+    if overrides:
+        profile = replace(profile, **overrides)
+    try:
+        check_precision(profile.precision, resolve_device(profile.device))
+    except ValueError as error:
+        print(f"error: --device/--precision: {error}", file=sys.stderr)
+        return 2
     out = Path(args.out or Path("results") / profile.name)
     command = "python -m hil.experiments.paper " + " ".join(argv if argv is not None else sys.argv[1:])
     try:

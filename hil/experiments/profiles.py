@@ -145,6 +145,8 @@ class Profile:
     n_bootstrap: int = 1000
     n_permutations: int = 10000
     encode_batch_size: int = 32
+    device: str = "auto"      # evaluation: where models encode and score (training: the preset's accelerator)
+    precision: str = "fp32"   # evaluation: corpus encoding autocast (hil.retrieval.devices)
 
     @cached_property
     def training(self) -> TrainingBudget:

@@ -178,7 +178,7 @@ def _named_sources(index: TokenIndex, heads: Sequence[str], found: Candidates,
 
 def full_rank(encoder: Encoder, index: TokenIndex, queries: dict[str, str], *, k: int = 1000,
               ncandidates: int = 256, batch_size: int = 64, max_candidates: int | None = None,
-              nprobe: int | None = None, use_gpu: bool = False, block_tokens: int = 1 << 14,
+              nprobe: int | None = None, use_gpu: bool = False, gpu_device: int = 0, block_tokens: int = 1 << 14,
               keep_candidate_sources: bool = False, progress: bool = True,
               stage2_docs: int | None = None) -> SearchResult:
     """End-to-end retrieval: the back-end's candidate documents (union over heads) -> exact ``encoder.score``
@@ -201,7 +201,7 @@ def full_rank(encoder: Encoder, index: TokenIndex, queries: dict[str, str], *, k
     heads = tuple(encoder.head_names)
     settings = CandidateSettings(ncandidates=min(ncandidates, max(1, index.n_tokens)),
                                  max_candidates=max_candidates, nprobe=nprobe, stage2_docs=stage2_docs,
-                                 use_gpu=use_gpu)
+                                 use_gpu=use_gpu, gpu_device=gpu_device)
     backend = open_backend(index, settings)
     overlap = _HeadOverlap(heads)
     run: dict[str, dict[str, float]] = {}

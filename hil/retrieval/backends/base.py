@@ -34,6 +34,7 @@ class CandidateSettings:
     nprobe: int | None = None           # IVF lists / PLAID centroids probed per query token (None: the index's)
     stage2_docs: int | None = None      # plaid: documents kept by the probed-cells bound (None: the index's)
     use_gpu: bool = False               # FAISS on the GPU (where faiss-gpu sees one)
+    gpu_device: int = 0                 # which GPU (``--device cuda:N`` searches on GPU N)
 
 
 @dataclass
@@ -89,7 +90,7 @@ class SearchBackend(ABC):
 
     @classmethod
     def build_head(cls, directory: Path, head: str, vectors: TokenTable, params: dict[str, Any], *,
-                   use_gpu: bool = False) -> ResidualCodec | None:
+                   use_gpu: bool = False, gpu_device: int = 0) -> ResidualCodec | None:
         """Write the structure of one head into ``directory`` (each file atomically); -> the residual codec when
         the vectors were also stored compressed, else None. ``params`` are resolved."""
         return None

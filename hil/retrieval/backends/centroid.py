@@ -92,7 +92,7 @@ class PlaidBackend(SearchBackend):
 
     @classmethod
     def build_head(cls, directory: Path, head: str, vectors: TokenTable, params: dict[str, Any], *,
-                   use_gpu: bool = False) -> ResidualCodec | None:
+                   use_gpu: bool = False, gpu_device: int = 0) -> ResidualCodec | None:
         """Centroids, codes and inverted file of one head (and residual codes when asked); -> the codec or None.
 
         With ``keep_embeddings=False`` the fp16 file is removed last, once the compressed vectors are in place.

@@ -39,14 +39,15 @@ _ADD_BLOCK = 1 << 18
 
 # -- FAISS helpers ----------------------------------------------------------------------------------------------
 
-def _to_gpu(index: Any) -> Any:
+def _to_gpu(index: Any, device: int = 0) -> Any:
+    """``index`` copied to FAISS GPU ``device`` (the CPU index itself, with a warning, when FAISS has no GPU)."""
     import faiss
 
     if not hasattr(faiss, "StandardGpuResources") or faiss.get_num_gpus() == 0:
         logger.warning("use_gpu=True but faiss sees no GPU (faiss-cpu installed?): staying on the CPU")
         return index
     resources = faiss.StandardGpuResources()
-    gpu_index = faiss.index_cpu_to_gpu(resources, 0, index)
+    gpu_index = faiss.index_cpu_to_gpu(resources, int(device), index)
     gpu_index.hil_resources = resources  # keep the resources alive as long as the index
     return gpu_index
 
@@ -111,7 +112,7 @@ class TokenAnnBackend(SearchBackend):
         """The FAISS index of ``head``, loaded (or, for ``flat``, rebuilt from the embeddings) on first use and kept
         with the opened index; this search's ``nprobe``, when given, is set on it."""
         self.index.require_head(head)
-        key = ("faiss", head, self.settings.use_gpu)
+        key = ("faiss", head, self.settings.use_gpu and self.settings.gpu_device)
         cache = self.index.search_structures
         if key not in cache:
             cache[key] = self._open_faiss(head)
@@ -121,7 +122,7 @@ class TokenAnnBackend(SearchBackend):
 
     @classmethod
     def new_faiss_index(cls, vectors: TokenTable, params: dict[str, Any], *, use_gpu: bool = False,
-                        block_tokens: int = _ADD_BLOCK) -> Any:
+                        gpu_device: int = 0, block_tokens: int = _ADD_BLOCK) -> Any:
         """An inner-product FAISS index over ``vectors`` (n_tokens, D), trained if this kind needs it, filled
         in fp32 blocks read from the (memmapped) table. ``params`` are resolved."""
         import faiss
@@ -129,7 +130,7 @@ class TokenAnnBackend(SearchBackend):
         n_tokens, dim = vectors.shape
         index = faiss.index_factory(dim, cls.factory(params), faiss.METRIC_INNER_PRODUCT)
         if use_gpu:
-            index = _to_gpu(index)
+            index = _to_gpu(index, gpu_device)
         if cls.trained:
             rng = np.random.default_rng(params["seed"])
             sample = np.sort(rng.choice(n_tokens, size=params["train_size"], replace=False))
@@ -192,7 +193,8 @@ class FlatBackend(TokenAnnBackend):
         return "Flat"
 
     def _open_faiss(self, head: str) -> Any:
-        return self.new_faiss_index(self.index.embeddings[head], {}, use_gpu=self.settings.use_gpu)
+        return self.new_faiss_index(self.index.embeddings[head], {}, use_gpu=self.settings.use_gpu,
+                                    gpu_device=self.settings.gpu_device)
 
 
 def _largest_divisor_at_most(value: int, limit: int) -> int:
@@ -226,10 +228,10 @@ class IvfBackend(TokenAnnBackend):
 
     @classmethod
     def build_head(cls, directory: Path, head: str, vectors: TokenTable, params: dict[str, Any], *,
-                   use_gpu: bool = False) -> ResidualCodec | None:
+                   use_gpu: bool = False, gpu_device: int = 0) -> ResidualCodec | None:
         import faiss
 
-        index = cls.new_faiss_index(vectors, params, use_gpu=use_gpu)
+        index = cls.new_faiss_index(vectors, params, use_gpu=use_gpu, gpu_device=gpu_device)
         if _is_gpu_index(index):
             index = faiss.index_gpu_to_cpu(index)
         (path,) = cls.head_files(directory, head)
@@ -243,7 +245,7 @@ class IvfBackend(TokenAnnBackend):
         (path,) = self.head_files(self.index.directory, head)
         index = faiss.read_index(str(path))
         if self.settings.use_gpu:
-            index = _to_gpu(index)
+            index = _to_gpu(index, self.settings.gpu_device)
         set_nprobe(index, self.index.faiss_settings["params"]["nprobe"])
         return index
 
