@@ -244,7 +244,7 @@ def test_query_missing_text(tmp_path):
 def test_bad_qrels_row_is_named(tmp_path, row, reason):
     folder = write_dataset(tmp_path / "q", qrels=QRELS + row + "\n")
     with pytest.raises(DataFormatError, match=reason) as err:
-        load_beir(folder)
+        load_beir(folder, judged_outside_corpus="error")
     assert_names(err, folder / "qrels" / "test.tsv", 5)
 
 
@@ -311,10 +311,11 @@ def test_bad_tsv_and_trec_lines_are_named(tmp_path, loader, content, line, reaso
 RERANK_QRELS = "q1\td1\t1\nq1\td9\t3\nq1\td9\t3\nq2\td2\t2\nq2\td8\t0\n"
 
 
-def test_judgments_outside_the_corpus_are_an_error_by_default(tmp_path):
+def test_judgments_outside_the_corpus_are_an_error_when_asked(tmp_path):
     folder = write_dataset(tmp_path / "rerank", qrels=RERANK_QRELS)
+    assert load_beir(folder).judged_outside_corpus == 2  # kept by default, as BEIR and trec_eval keep them
     with pytest.raises(DataFormatError, match="corpus id 'd9' is not in the corpus") as err:
-        load_beir(folder)
+        load_beir(folder, judged_outside_corpus="error")
     assert_names(err, folder / "qrels" / "test.tsv", 2)
     with pytest.raises(DataFormatError, match="corpus id 'd9'"):
         load_trec_qrels(write_text(tmp_path / "q.txt", "q1 0 d1 1\nq1 0 d9 2\n"), corpus={"d1": {}})
@@ -423,8 +424,9 @@ def test_hub_fallback_builds_the_same_dataset(tmp_path, monkeypatch):
     assert (hub.corpus, hub.queries, hub.qrels, hub.name) == (local.corpus, local.queries, local.qrels, "toy")
     assert hub.source == "hf://BeIR/toy"
     tables["qrels"]["test"].append({"query-id": "q1", "corpus-id": "nope", "score": 1})
+    assert load_beir("BeIR/toy").judged_outside_corpus == 1  # kept by default
     with pytest.raises(DataFormatError, match="corpus id 'nope'") as err:
-        load_beir("toy")
+        load_beir("toy", judged_outside_corpus="error")
     assert_names(err, Path("hf://BeIR/toy-qrels/test"), 4)
 
 
@@ -528,7 +530,7 @@ def test_real_nfcorpus_dl19_and_topics(shared_data):
     assert dl19.judged_outside_corpus == 9260 - 2257  # the README: 2,257 judgments fall inside the top 100
     assert sorted({g for judged in dl19.qrels.values() for g in judged.values()}) == [0, 1, 2, 3]
     with pytest.raises(DataFormatError, match="is not in the corpus"):
-        load_beir("msmarco/dl19", data_dir=shared_data)
+        load_beir("msmarco/dl19", data_dir=shared_data, judged_outside_corpus="error")
     topics = load_topics_tsv(shared_data / "beir-test-topics" / "topics.beir-v1.0.0-scifact.test.tsv.gz")
     trec = load_trec_qrels(shared_data / "beir-test-topics" / "qrels.beir-v1.0.0-scifact.test.txt")
     assert set(topics) == set(trec) == set(load_beir(shared_data / "beir" / "scifact").qrels)

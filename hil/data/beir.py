@@ -24,9 +24,9 @@ Choices where BEIR itself is loose (each checked, each reported as a :class:`Dat
   unconditionally, which silently drops a judgment from header-less files). Every query id and document id must exist
   in queries/corpus. A repeated (query, doc) pair with the same score is ignored; with a different score, an error.
 * Only queries judged in the split are kept (BEIR convention); their judgments with score 0 stay in ``qrels``.
-* A re-ranking set (TREC DL 2019: BM25's top 100 per query as the corpus) has qrels judging documents outside its
-  corpus, which trec_eval counts in the ideal DCG: ``judged_outside_corpus="keep"`` keeps them (a warning line gives
-  their count, ``BeirDataset.judged_outside_corpus`` records it); the default, ``"error"``, refuses them.
+* Judgments of documents outside the corpus (some official BEIR qrels; many in a re-ranking set like TREC DL 2019)
+  count in the ideal DCG for BEIR and trec_eval: ``load_beir`` keeps them by default (one warning line gives their
+  count, ``BeirDataset.judged_outside_corpus`` records it); ``judged_outside_corpus="error"`` refuses them.
 * ``relevance_level``: the lowest grade binary metrics count as relevant (1; TREC DL: 2); nDCG uses the grades.
 
 Self matches (ArguAna, Quora: the query is itself a corpus document with the same id) are a property of runs, not of
@@ -479,7 +479,7 @@ def _looks_like_path(name_or_path: str) -> bool:
 
 
 def load_beir(name_or_path: str | os.PathLike, split: str = "test", data_dir: str | os.PathLike | None = None, *,
-              judged_outside_corpus: OutsideCorpus = "error", relevance_level: int = 1) -> BeirDataset:
+              judged_outside_corpus: OutsideCorpus = "keep", relevance_level: int = 1) -> BeirDataset:
     """Load one split of a BEIR dataset from a local folder, else from the Hugging Face hub.
 
     ``name_or_path`` is a folder, a name found under ``data_dir`` / ``$HIL_DATA_DIR`` (``beir/<name>`` or ``<name>``),
