@@ -218,8 +218,7 @@ def document_store(encoder: Encoder, dataset: BeirDataset, settings: EvaluationS
             tokens = encode_document_tokens(encoder, dataset.documents(), batch_size=settings.batch_size)
         return tokens.to_store(dataset.doc_ids())
     quantize = {"quantize": settings.document_encoding} if settings.document_encoding else {}
-    if settings.precision != "fp32" or settings.processes > 1:  # TODO(lead): always, once the builder takes them
-        quantize.update(precision=settings.precision, processes=settings.processes)
+    quantize.update(precision=settings.precision, processes=settings.processes)
     gpu = faiss_on_gpu(settings, encoder.device)
     quantize.update(use_gpu=gpu is not None)
     return open_or_build_index(encoder, dataset.doc_ids(), dataset.documents(),

@@ -4,7 +4,9 @@ Building never leaves a half index behind: everything is written into ``<dir>.tm
 chunks there first: :mod:`hil.retrieval.chunks`), ``index.json`` last, and the folder is renamed to ``<dir>``
 only when complete. The search structures (FAISS files, PLAID centroids) are written by the back-end of the
 chosen ``faiss_kind`` (:mod:`hil.retrieval.backends`); changing only them rewrites them in place
-(:func:`rebuild_faiss`) without encoding the corpus again.
+(:func:`rebuild_faiss`) without encoding the corpus again. The corpus is encoded on the encoder's device, in one
+process or several (:mod:`hil.retrieval.corpus_encoding`), in the precision asked (recorded; an index encoded in
+another precision is rebuilt by :func:`open_or_build_index`).
 """
 
 from __future__ import annotations
@@ -18,14 +20,16 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
+import torch
 
 from hil.modeling.contracts import Encoder
 from hil.provenance import provenance, write_json_atomic
 from hil.retrieval.backends.registry import BACKENDS, backend_class
-from hil.retrieval.chunks import encode_in_chunks, join_chunks
+from hil.retrieval.chunks import collect_chunks, join_chunks
 from hil.retrieval.codec import CompressedEmbeddings
-from hil.retrieval.encoding import eval_mode
-from hil.retrieval.fast_encode import document_encoder, document_encoding_key
+from hil.retrieval.corpus_encoding import CorpusEncoding, check_processes, encode_corpus
+from hil.retrieval.devices import check_precision
+from hil.retrieval.fast_encode import DOCUMENT_ENCODINGS, document_encoding_key
 from hil.retrieval.index import (DOC_IDS_JSON, INDEX_FORMAT, INDEX_FORMAT_VERSION, INDEX_JSON, IndexMismatchError,
                                  TokenIndex, embeddings_path, encoder_fingerprint, fingerprint_corpus,
                                  json_normalized, plaid_paths, unfinished_build_dir)
@@ -35,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 CALIBRATION_DOCS = 32  # documents whose activations calibrate int8 document encoding
 CHUNKS_DIR = "chunks"
+AUTOCAST_ENCODINGS = (None, "compile")  # document encodings that run PyTorch's own kernels, where autocast applies
 _HEAD_NAME = re.compile(r"^[A-Za-z0-9_\-]+$")
 
 
@@ -118,6 +123,17 @@ def _check_request(heads: Sequence[str], directory: Path, batch_size: int, chunk
                               "refusing to overwrite it")
 
 
+def _check_encoding(device: torch.device, processes: int, precision: str, quantize: str | None) -> None:
+    """Refuse a precision, process count or precision/quantize pair that cannot run, before any work is done."""
+    if quantize is not None and quantize not in DOCUMENT_ENCODINGS:
+        raise ValueError(f"quantize must be one of {DOCUMENT_ENCODINGS} (or None), got {quantize!r}")
+    check_precision(precision, device)
+    check_processes(processes, device)
+    if precision != "fp32" and quantize not in AUTOCAST_ENCODINGS:
+        raise ValueError(f"precision={precision!r} is autocast of the PyTorch encoder; quantize={quantize!r} has "
+                         "arithmetic of its own: pass precision='fp32' with it")
+
+
 def _calibration_texts(texts: Sequence[str], calibration_docs: int) -> list[str]:
     """The documents a calibrated document encoding (``int8``, ``onnx-int8``) measures its activations on."""
     return list(texts[:max(1, calibration_docs)])
@@ -151,44 +167,53 @@ def build_index(encoder: Encoder, doc_ids: Sequence[str], texts: Sequence[str], 
                 batch_size: int = 32, chunk_docs: int = 2048, faiss_kind: str = "flat",
                 faiss_params: dict[str, Any] | None = None, corpus_fingerprint: str | None = None,
                 progress: bool = True, overwrite: bool = False, use_gpu: bool = False,
-                quantize: str | None = None, calibration_docs: int = CALIBRATION_DOCS) -> TokenIndex:
+                quantize: str | None = None, calibration_docs: int = CALIBRATION_DOCS, processes: int = 1,
+                precision: str = "fp32") -> TokenIndex:
     """Encode a corpus into a token index at ``directory`` (resumable, finalized atomically; see module docstring).
 
     ``corpus_fingerprint`` defaults to :func:`fingerprint_corpus` of the ids and texts. ``use_gpu`` trains/fills
     IVF indexes with faiss-gpu.
 
+    Where: the corpus is encoded on ``encoder.device`` (move the encoder there first). ``processes`` > 1 encodes
+    on that many processes through Lightning Fabric (``ddp_spawn``): one per GPU (``cuda:0`` ..) for a CUDA
+    encoder, or that many CPU processes sharing the cores; the index is the same as a one-process build's
+    (:mod:`hil.retrieval.corpus_encoding`). ``precision`` (``fp32``, ``fp16`` on a GPU, ``bf16``) is autocast
+    over the encoder's forward pass (:func:`hil.retrieval.devices.autocast`); stored vectors are fp16 either way;
+    recorded in ``index.json`` as ``encoding_precision``.
+
     Memory: at most one chunk of ``chunk_docs`` documents is held while encoding (its fp32 token vectors, about
     ``chunk_docs * 4 * D * tokens_per_doc`` bytes, plus the model's activations for one ``batch_size`` batch);
     the chunks are then streamed into the final memmaps, so ``chunk_docs`` is the memory knob for corpora larger
-    than RAM (``bench/README.md`` has measured peak RSS against it).
+    than RAM (``bench/README.md`` has measured peak RSS against it). With ``processes`` > 1, per process.
 
     ``quantize`` picks a cheaper document encoder (queries always keep ``encoder``); recorded in ``index.json`` as
     ``document_encoding``; None (default) encodes with ``encoder`` itself. Measured in bench/README:
     ``"onnx-int8"`` (:mod:`hil.retrieval.onnx_encode`: ONNX Runtime, fused layers, int8 matrix products) is the
     fast one on a CPU, at a small measured cost in nDCG@10; ``"onnx"`` is the same runtime in fp32 (same vectors);
     ``"int8"`` is PyTorch SmoothQuant + dynamic int8 (:mod:`hil.retrieval.fast_encode`, calibrated on the first
-    ``calibration_docs`` texts); ``"compile"`` is ``torch.compile`` in fp32 (same vectors).
+    ``calibration_docs`` texts); ``"compile"`` is ``torch.compile`` in fp32 (same vectors). With ``processes`` > 1
+    each process builds the same view from its copy of ``encoder``. Only ``None`` and ``"compile"`` take a
+    ``precision`` other than fp32.
     """
-    from tqdm.auto import tqdm
-
     _check_corpus(doc_ids, texts)
     directory = Path(directory)
     heads = tuple(encoder.head_names)
     _check_request(heads, directory, batch_size, chunk_docs, faiss_kind, faiss_params, overwrite)
+    device = torch.device(encoder.device)
+    _check_encoding(device, processes, precision, quantize)
     corpus_fp = corpus_fingerprint or fingerprint_corpus(doc_ids, texts)
     encoder_fp = encoder_fingerprint(encoder)
     settings = json_normalized(encoder.settings())
-    view = document_encoder(encoder, quantize, calibration_texts=_calibration_texts(texts, calibration_docs))
-    document_encoding = view.document_encoding or None
 
     build = _start_build_dir(directory)
-    identity = {"settings": settings, "encoder_fingerprint": encoder_fp, "corpus_fingerprint": corpus_fp,
-                "document_encoding": document_encoding}
-    bar = tqdm(total=len(doc_ids), unit="doc", desc=f"encoding {directory.name}", disable=not progress)
-    with eval_mode(view):
-        metas = encode_in_chunks(view, texts, build / CHUNKS_DIR, identity, chunk_docs=chunk_docs,
-                                 batch_size=batch_size, progress_bar=bar)
-    bar.close()
+    job = CorpusEncoding(encoder, texts, build / CHUNKS_DIR,
+                         identity={"settings": settings, "encoder_fingerprint": encoder_fp,
+                                   "corpus_fingerprint": corpus_fp, "encoding_precision": precision},
+                         chunk_docs=chunk_docs, batch_size=batch_size, quantize=quantize,
+                         calibration_texts=_calibration_texts(texts, calibration_docs), precision=precision,
+                         progress=progress, description=f"encoding {directory.name}")
+    identity = encode_corpus(job, processes)
+    metas = collect_chunks(build / CHUNKS_DIR, len(texts), chunk_docs, heads, identity)
     n_tokens = join_chunks(build / CHUNKS_DIR, build, heads, metas)
     write_json_atomic(build / DOC_IDS_JSON, list(doc_ids))
 
@@ -197,11 +222,13 @@ def build_index(encoder: Encoder, doc_ids: Sequence[str], texts: Sequence[str], 
     del embeddings
     shutil.rmtree(build / CHUNKS_DIR)
     dims = metas[0]["dims"]
+    document_encoding = identity["document_encoding"]
     meta = provenance(settings, format=INDEX_FORMAT, format_version=INDEX_FORMAT_VERSION, n_docs=len(doc_ids),
                       n_tokens=n_tokens, heads=list(heads), dims=dims,
                       dim=next(iter(dims.values())) if len(set(dims.values())) == 1 else None,
                       embedding_dtype="float16", faiss=faiss_settings, corpus_fingerprint=corpus_fp,
-                      encoder_fingerprint=encoder_fp,
+                      encoder_fingerprint=encoder_fp, encoding_precision=precision,
+                      encoded_on={"device": str(device) if processes == 1 else device.type, "processes": processes},
                       **({"document_encoding": document_encoding} if document_encoding else {}))
     write_json_atomic(build / INDEX_JSON, meta)  # last: its presence marks the folder a finished index
     _move_into_place(build, directory)
@@ -245,7 +272,8 @@ def open_or_build_index(encoder: Encoder, doc_ids: Sequence[str], texts: Sequenc
                         directory: str | os.PathLike, *, corpus_fingerprint: str | None = None,
                         faiss_kind: str = "flat", faiss_params: dict[str, Any] | None = None,
                         use_gpu: bool = False, **build_kwargs: Any) -> TokenIndex:
-    """Reuse the index at ``directory`` when it matches this corpus and encoder, else (re)build it.
+    """Reuse the index at ``directory`` when it matches this corpus, encoder, document encoding and precision, else
+    (re)build it; ``build_kwargs`` are :func:`build_index`'s (``processes``, ``precision``, ``quantize``, ...).
 
     When only the search structures differ (search-time settings such as ``nprobe`` aside), only they are
     rebuilt; a compressed-only index has no fp16 vectors to build them from, so it is encoded again.
@@ -259,6 +287,11 @@ def open_or_build_index(encoder: Encoder, doc_ids: Sequence[str], texts: Sequenc
 
     index = _open_matching(directory, corpus_fp, encoder)
     if index is None:
+        return build()
+    precision = build_kwargs.get("precision", "fp32")
+    if index.meta.get("encoding_precision", "fp32") != precision:  # indexes from before precision existed: fp32
+        logger.info("%s: documents were encoded in %s, %s wanted: rebuilding it", directory,
+                    index.meta.get("encoding_precision", "fp32"), precision)
         return build()
     n_calibration = len(_calibration_texts(texts, build_kwargs.get("calibration_docs", CALIBRATION_DOCS)))
     if not _same_document_encoding(index, build_kwargs.get("quantize"), n_calibration):

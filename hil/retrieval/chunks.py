@@ -2,16 +2,22 @@
 
 The corpus is encoded ``chunk_docs`` documents at a time into a ``chunks`` folder: chunk ``n`` is the files
 ``chunk-<n>.<head>.npy``, ``chunk-<n>.token_ids.npy``, ``chunk-<n>.lengths.npy`` (each written atomically) and
-``chunk-<n>.json``, written last: its presence marks the chunk finished. A rerun after a crash reuses every
-finished chunk whose metadata matches what it would write now (document range, settings, fingerprints, document
-encoding) and encodes the rest. Memory: one chunk's vectors at a time; joining streams the chunks into memmaps.
+``chunk-<n>.json``, written last: its presence marks the chunk finished (it holds the chunk's range, the build's
+identity, its counts, and the rank that encoded it). A rerun after a crash reuses every finished chunk whose
+metadata matches what it would write now (document range, settings, fingerprints, document encoding, precision)
+and encodes the rest. Memory: one chunk's vectors at a time; joining streams the chunks into memmaps.
+
+Chunk ``n`` always holds documents ``[n * chunk_docs, (n + 1) * chunk_docs)``, whoever encodes it: several
+processes can share one corpus (``rank`` / ``world``: chunk ``n`` belongs to rank ``n % world``) and a rerun with
+any number of processes reuses what an earlier one finished; the join reads the chunks in number order.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -19,6 +25,8 @@ from hil.provenance import write_json_atomic
 from hil.retrieval.encoding import DocumentEncoder, encode_document_tokens
 from hil.retrieval.index import (DOC_OFFSETS_NPY, INDEX_FORMAT_VERSION, TOKEN_IDS_NPY, embeddings_path,
                                  save_npy_atomic)
+
+_CHUNK_FILE = re.compile(r"^\.?chunk-(\d+)\.")  # a chunk's file, or (leading dot) a temporary one being written
 
 
 def chunk_paths(chunks: Path, number: int, heads: Sequence[str]) -> dict[str, Path]:
@@ -47,8 +55,9 @@ def finished_chunk(paths: dict[str, Path], expected: dict[str, Any]) -> dict[str
 
 
 def _write_chunk(encoder: DocumentEncoder, texts: Sequence[str], paths: dict[str, Path], expected: dict[str, Any],
-                 batch_size: int, progress_bar: Any) -> dict[str, Any]:
-    """Encode one chunk's texts and write its files, the metadata last; -> the metadata."""
+                 batch_size: int, progress_bar: Any, rank: int = 0) -> dict[str, Any]:
+    """Encode one chunk's texts and write its files, the metadata last; -> the metadata (``expected``, the counts,
+    and the ``rank`` that encoded it: a record only, never compared)."""
     heads = tuple(encoder.head_names)
     encoded = encode_document_tokens(encoder, texts, batch_size=batch_size, progress_bar=progress_bar)
     for head in heads:
@@ -56,29 +65,84 @@ def _write_chunk(encoder: DocumentEncoder, texts: Sequence[str], paths: dict[str
     save_npy_atomic(paths["token_ids"], encoded.token_ids)
     save_npy_atomic(paths["lengths"], encoded.lengths)
     meta = dict(expected, n_tokens=int(encoded.lengths.sum()),
-                dims={head: int(encoded.embeddings[head].shape[1]) for head in heads})
+                dims={head: int(encoded.embeddings[head].shape[1]) for head in heads}, rank=rank)
     write_json_atomic(paths["meta"], meta)  # last: its presence marks the chunk finished
     return meta
 
 
+def chunk_ranges(n_docs: int, chunk_docs: int) -> list[tuple[int, int, int]]:
+    """``(number, start, end)`` of every chunk of a corpus of ``n_docs`` documents, in order."""
+    return [(number, start, min(start + chunk_docs, n_docs))
+            for number, start in enumerate(range(0, n_docs, chunk_docs))]
+
+
+def expected_chunk_meta(number: int, start: int, end: int, heads: Sequence[str],
+                        identity: dict[str, Any]) -> dict[str, Any]:
+    """What chunk ``number``'s metadata must hold to be reused (its range, heads and the build's ``identity``)."""
+    return {"format_version": INDEX_FORMAT_VERSION, "chunk": number, "doc_start": start, "doc_end": end,
+            "heads": list(heads), **identity}
+
+
+def shard_docs(n_docs: int, chunk_docs: int, rank: int, world: int) -> int:
+    """How many documents the chunks of ``rank`` (of ``world``) hold: a progress bar's total."""
+    return sum(end - start for number, start, end in chunk_ranges(n_docs, chunk_docs) if number % world == rank)
+
+
 def encode_in_chunks(encoder: DocumentEncoder, texts: Sequence[str], chunks: Path, identity: dict[str, Any], *,
-                     chunk_docs: int, batch_size: int, progress_bar: Any) -> list[dict[str, Any]]:
-    """Encode ``texts`` into ``chunks`` (reusing finished chunks of the same ``identity``: settings, fingerprints
-    and document encoding); -> every chunk's metadata, in order. Call inside ``eval_mode``."""
+                     chunk_docs: int, batch_size: int, progress_bar: Any, rank: int = 0, world: int = 1,
+                     on_written: Callable[[int], None] | None = None) -> list[dict[str, Any]]:
+    """Encode the chunks of ``texts`` that belong to ``rank`` (all of them when ``world`` is 1) into ``chunks``,
+    reusing finished chunks of the same ``identity`` (settings, fingerprints, document encoding, precision);
+    -> those chunks' metadata, in order. ``on_written(number)`` is called after each chunk newly written.
+    Call inside ``eval_mode``."""
     heads = tuple(encoder.head_names)
     metas = []
-    for number, start in enumerate(range(0, len(texts), chunk_docs)):
-        end = min(start + chunk_docs, len(texts))
+    for number, start, end in chunk_ranges(len(texts), chunk_docs):
+        if number % world != rank:
+            continue
         paths = chunk_paths(chunks, number, heads)
-        expected = {"format_version": INDEX_FORMAT_VERSION, "chunk": number, "doc_start": start, "doc_end": end,
-                    "heads": list(heads), **identity}
+        expected = expected_chunk_meta(number, start, end, heads, identity)
         meta = finished_chunk(paths, expected)
         if meta is not None:
             progress_bar.update(end - start)
         else:
-            meta = _write_chunk(encoder, texts[start:end], paths, expected, batch_size, progress_bar)
+            meta = _write_chunk(encoder, texts[start:end], paths, expected, batch_size, progress_bar, rank)
+            if on_written is not None:
+                on_written(number)
         metas.append(meta)
     return metas
+
+
+def collect_chunks(chunks: Path, n_docs: int, chunk_docs: int, heads: Sequence[str],
+                   identity: dict[str, Any]) -> list[dict[str, Any]]:
+    """The metadata of every chunk of the corpus, in order, each finished with this ``identity``; a missing or
+    different chunk (a process that stopped early, or encoded with other settings) is an error naming it."""
+    metas, missing = [], []
+    for number, start, end in chunk_ranges(n_docs, chunk_docs):
+        meta = finished_chunk(chunk_paths(chunks, number, heads), expected_chunk_meta(number, start, end, heads,
+                                                                                      identity))
+        if meta is None:
+            missing.append(number)
+        metas.append(meta)
+    if missing:
+        raise RuntimeError(f"{chunks}: chunks {missing[:10]} of {len(metas)} are not finished with this build's "
+                           "settings (did an encoding process stop early?)")
+    return metas
+
+
+def discard_unfinished_chunks(chunks: Path) -> list[str]:
+    """Remove the files of chunks without metadata (arrays of a chunk whose writer died, temporary files), so
+    that only finished chunks stay; -> the names removed."""
+    removed = []
+    for path in sorted(chunks.iterdir()):
+        match = _CHUNK_FILE.match(path.name)
+        if match is None or not path.is_file():
+            continue
+        finished = chunk_paths(chunks, int(match.group(1)), ())["meta"].is_file()
+        if path.name.startswith(".") or not finished:
+            path.unlink(missing_ok=True)
+            removed.append(path.name)
+    return removed
 
 
 def join_chunks(chunks: Path, target: Path, heads: Sequence[str], metas: list[dict[str, Any]]) -> int:
