@@ -220,7 +220,7 @@ def document_store(encoder: Encoder, dataset: BeirDataset, settings: EvaluationS
     quantize = {"quantize": settings.document_encoding} if settings.document_encoding else {}
     quantize.update(precision=settings.precision, processes=settings.processes)
     gpu = faiss_on_gpu(settings, encoder.device)
-    quantize.update(use_gpu=gpu is not None)
+    quantize.update(use_gpu=gpu is not None, gpu_device=gpu or 0)
     return open_or_build_index(encoder, dataset.doc_ids(), dataset.documents(),
                                index_dir(settings.index_root, dataset, encoder, settings.document_encoding),
                                batch_size=settings.batch_size, faiss_kind=settings.backend,

@@ -54,7 +54,8 @@ def _remove_stale_files(directory: Path, head: str, kept: set[Path]) -> None:
 
 
 def write_search_files(directory: Path, embeddings: dict[str, TokenTable], kind: str,
-                       params: dict[str, Any] | None, use_gpu: bool, progress: bool) -> dict[str, Any]:
+                       params: dict[str, Any] | None, use_gpu: bool, progress: bool,
+                       gpu_device: int = 0) -> dict[str, Any]:
     """Write the ``kind`` back-end's files of every head; -> the ``"faiss"`` part of ``index.json``.
 
     Files of another kind left from an earlier build are removed, except, for a head stored compressed only, the
@@ -66,7 +67,7 @@ def write_search_files(directory: Path, embeddings: dict[str, TokenTable], kind:
     for head, vectors in embeddings.items():
         resolved = backend.resolve_params(params, vectors.shape[0], vectors.shape[1])
         started = time.perf_counter()
-        codec = backend.build_head(directory, head, vectors, resolved, use_gpu=use_gpu)
+        codec = backend.build_head(directory, head, vectors, resolved, use_gpu=use_gpu, gpu_device=gpu_device)
         kept = set(backend.head_files(directory, head))
         if isinstance(vectors, CompressedEmbeddings):
             codec = vectors.codec
@@ -84,9 +85,10 @@ def write_search_files(directory: Path, embeddings: dict[str, TokenTable], kind:
 
 
 def rebuild_faiss(index: TokenIndex, faiss_kind: str, faiss_params: dict[str, Any] | None = None, *,
-                  use_gpu: bool = False, progress: bool = True) -> TokenIndex:
+                  use_gpu: bool = False, progress: bool = True, gpu_device: int = 0) -> TokenIndex:
     """Replace the search structures of a finished index (the vectors stay), updating ``index.json``."""
-    settings = write_search_files(index.directory, index.embeddings, faiss_kind, faiss_params, use_gpu, progress)
+    settings = write_search_files(index.directory, index.embeddings, faiss_kind, faiss_params, use_gpu, progress,
+                                  gpu_device)
     write_json_atomic(index.directory / INDEX_JSON, dict(index.meta, faiss=settings))
     return TokenIndex.load(index.directory, mmap=index.memory_mapped)
 
@@ -166,13 +168,13 @@ def _move_into_place(build: Path, directory: Path) -> None:
 def build_index(encoder: Encoder, doc_ids: Sequence[str], texts: Sequence[str], directory: str | os.PathLike, *,
                 batch_size: int = 32, chunk_docs: int = 2048, faiss_kind: str = "flat",
                 faiss_params: dict[str, Any] | None = None, corpus_fingerprint: str | None = None,
-                progress: bool = True, overwrite: bool = False, use_gpu: bool = False,
+                progress: bool = True, overwrite: bool = False, use_gpu: bool = False, gpu_device: int = 0,
                 quantize: str | None = None, calibration_docs: int = CALIBRATION_DOCS, processes: int = 1,
                 precision: str = "fp32") -> TokenIndex:
     """Encode a corpus into a token index at ``directory`` (resumable, finalized atomically; see module docstring).
 
     ``corpus_fingerprint`` defaults to :func:`fingerprint_corpus` of the ids and texts. ``use_gpu`` trains/fills
-    IVF indexes with faiss-gpu.
+    IVF indexes and PLAID's k-means and codes with faiss-gpu (on ``gpu_device``).
 
     Where: the corpus is encoded on ``encoder.device`` (move the encoder there first). ``processes`` > 1 encodes
     on that many processes through Lightning Fabric (``ddp_spawn``): one per GPU (``cuda:0`` ..) for a CUDA
@@ -218,7 +220,7 @@ def build_index(encoder: Encoder, doc_ids: Sequence[str], texts: Sequence[str], 
     write_json_atomic(build / DOC_IDS_JSON, list(doc_ids))
 
     embeddings = {head: np.load(embeddings_path(build, head), mmap_mode="r") for head in heads}
-    faiss_settings = write_search_files(build, embeddings, faiss_kind, faiss_params, use_gpu, progress)
+    faiss_settings = write_search_files(build, embeddings, faiss_kind, faiss_params, use_gpu, progress, gpu_device)
     del embeddings
     shutil.rmtree(build / CHUNKS_DIR)
     dims = metas[0]["dims"]
@@ -306,4 +308,5 @@ def open_or_build_index(encoder: Encoder, doc_ids: Sequence[str], texts: Sequenc
         return build()
     logger.info("%s: FAISS settings differ (%s -> %s): rebuilding the FAISS part only", directory,
                 index.faiss_settings["kind"], faiss_kind)
-    return rebuild_faiss(index, faiss_kind, faiss_params, use_gpu=use_gpu, progress=build_kwargs.get("progress", True))
+    return rebuild_faiss(index, faiss_kind, faiss_params, use_gpu=use_gpu, progress=build_kwargs.get("progress", True),
+                         gpu_device=build_kwargs.get("gpu_device", 0))

@@ -57,10 +57,11 @@ def sample_rows(n_rows: int, size: int, seed: int) -> np.ndarray:
 
 
 def train_centroids(embeddings: np.ndarray, n_centroids: int, *, train_size: int, niter: int = 10,
-                    seed: int = 0) -> np.ndarray:
+                    seed: int = 0, gpu: bool = False) -> np.ndarray:
     """Spherical k-means (FAISS) on a seeded sample of token vectors. embeddings (n_tokens, D) -> (C, D) float32.
 
-    The centroids are L2-normalized, so ``q . C_c`` is a cosine like every score in late interaction.
+    The centroids are L2-normalized, so ``q . C_c`` is a cosine like every score in late interaction. ``gpu``: on
+    every GPU faiss-gpu sees (MS MARCO's 2^18 centroids: bench/README.md); the CPU when it sees none.
     """
     import faiss
 
@@ -70,8 +71,10 @@ def train_centroids(embeddings: np.ndarray, n_centroids: int, *, train_size: int
     rows = sample_rows(n_tokens, max(train_size, n_centroids), seed)
     sample = np.ascontiguousarray(embeddings[rows], dtype=np.float32)  # (S, D)
     # FAISS subsamples to max_points_per_centroid * k on its own; the sample is already what we want.
+    gpus = faiss.get_num_gpus() if gpu and hasattr(faiss, "StandardGpuResources") else 0
     kmeans = faiss.Kmeans(dim, n_centroids, niter=niter, seed=seed, spherical=True, verbose=False,
-                          max_points_per_centroid=max(256, len(sample) // n_centroids + 1))
+                          max_points_per_centroid=max(256, len(sample) // n_centroids + 1),
+                          **({"gpu": gpus} if gpus else {}))
     kmeans.train(sample)
     centroids = np.asarray(kmeans.centroids, dtype=np.float32).reshape(n_centroids, dim)
     norms = np.linalg.norm(centroids, axis=1, keepdims=True)
@@ -84,15 +87,20 @@ def code_dtype(n_centroids: int) -> np.dtype:
 
 
 def assign_codes(embeddings: np.ndarray, centroids: np.ndarray, *, block_tokens: int = _ASSIGN_BLOCK,
-                 out: np.ndarray | None = None) -> np.ndarray:
+                 out: np.ndarray | None = None, gpu_device: int | None = None) -> np.ndarray:
     """The nearest centroid (largest inner product) of every token. -> (n_tokens,) ``code_dtype``.
 
     Reads ``embeddings`` (a memmap is fine) in blocks of ``block_tokens`` rows; ``out`` may be a memmap too.
+    ``gpu_device``: search the centroids on that FAISS GPU (where faiss-gpu sees it), else on the CPU.
     """
     import faiss
 
     n_tokens = embeddings.shape[0]
     search = faiss.IndexFlatIP(centroids.shape[1])
+    resources = None
+    if gpu_device is not None and hasattr(faiss, "StandardGpuResources") and gpu_device < faiss.get_num_gpus():
+        resources = faiss.StandardGpuResources()  # kept alive while the GPU index is used
+        search = faiss.index_cpu_to_gpu(resources, int(gpu_device), search)
     search.add(np.ascontiguousarray(centroids, dtype=np.float32))
     codes = out if out is not None else np.empty(n_tokens, dtype=code_dtype(len(centroids)))
     for start in range(0, n_tokens, block_tokens):

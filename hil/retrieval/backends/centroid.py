@@ -94,6 +94,7 @@ class PlaidBackend(SearchBackend):
     def build_head(cls, directory: Path, head: str, vectors: TokenTable, params: dict[str, Any], *,
                    use_gpu: bool = False, gpu_device: int = 0) -> ResidualCodec | None:
         """Centroids, codes and inverted file of one head (and residual codes when asked); -> the codec or None.
+        ``use_gpu``: k-means and the assignment of every token on faiss-gpu (``gpu_device`` for the assignment).
 
         With ``keep_embeddings=False`` the fp16 file is removed last, once the compressed vectors are in place.
         """
@@ -102,11 +103,11 @@ class PlaidBackend(SearchBackend):
                              "the original vectors: build the index again (build_index(..., overwrite=True))")
         paths = plaid_paths(directory, head)
         centroids = train_centroids(vectors, params["n_centroids"], train_size=params["train_size"],
-                                    niter=params["niter"], seed=params["seed"])
+                                    niter=params["niter"], seed=params["seed"], gpu=use_gpu)
         with atomic_output(paths["codes"]) as tmp:
             codes = np.lib.format.open_memmap(tmp, mode="w+", dtype=code_dtype(len(centroids)),
                                               shape=(vectors.shape[0],))
-            assign_codes(vectors, centroids, out=codes)
+            assign_codes(vectors, centroids, out=codes, gpu_device=gpu_device if use_gpu else None)
             codes.flush()
             del codes
         codes = np.load(paths["codes"], mmap_mode="r")
