@@ -4,6 +4,8 @@
                    and MS MARCO files under ``<dir>/msmarco``.
 ``HIL_MODELS_DIR`` a folder holding Hugging Face model directories by their base name; a hub name such as
                    ``sentence-transformers/all-MiniLM-L6-v2`` resolves to ``<dir>/all-MiniLM-L6-v2`` when it exists.
+``HIL_CACHE_DIR``  a folder for derived files (the line offsets of big training files, ``hil.data.line_index``):
+                   when set they go there, instead of beside their data (or ``~/.cache/hil`` for read-only data).
 
 Anything not found locally is passed through unchanged so that Hugging Face hub loading works online.
 """
@@ -15,6 +17,7 @@ from pathlib import Path
 
 DATA_DIR_ENV = "HIL_DATA_DIR"
 MODELS_DIR_ENV = "HIL_MODELS_DIR"
+CACHE_DIR_ENV = "HIL_CACHE_DIR"
 
 
 def _env_dir(name: str) -> Path | None:

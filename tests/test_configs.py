@@ -62,6 +62,8 @@ def as_before(new: dict) -> dict:
     policy in the model, IDF sourcing in the model, no callbacks group. Anything that moved is checked on the way."""
     new = copy.deepcopy(new)
     model, data = new.pop("model"), new.pop("data")
+    # Added since (issue 14): the id-triples layout and the line-offsets cache folder, unset by every config.
+    assert [data.pop(k) for k in ("id_triples", "queries", "collection", "cache_dir")] == [None] * 4
     assert new.pop("step_reseed") == {"seed": None}
     # Deliberate changes since (issue 13, ColBERT v1's conventions): clipping at 2.0, [MASK] padding not attended,
     # BERT-style head init. Checked here, then set back to what 21203ed had.

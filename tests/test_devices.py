@@ -198,3 +198,18 @@ def test_second_gpu(tiny_random_colbert, small_set):
     evaluation = evaluate(tiny_random_colbert, small_set, settings)
     assert evaluation.details["device"] == "cuda:1"
     tiny_random_colbert.cpu()
+
+
+@needs_gpu
+def test_plaid_structures_built_on_faiss_gpu(tiny_random_colbert, small_set, tmp_path):
+    if devices.faiss_gpu_count() == 0:
+        pytest.skip("faiss-cpu installed")
+    params = {"n_centroids": 8, "nprobe": 8, "ndocs": 64, "stage2_docs": 64}
+    base = dict(mode="full", k=10, progress=False, device="cuda", backend="plaid", backend_params=params)
+    on_gpu = evaluate(tiny_random_colbert, small_set, EvaluationSettings(**base, index_root=str(tmp_path / "g"),
+                                                                         faiss_gpu=True))
+    on_cpu = evaluate(tiny_random_colbert, small_set, EvaluationSettings(**base, index_root=str(tmp_path / "c"),
+                                                                         faiss_gpu=False))
+    # every centroid probed and every document kept: both rank by exact scores, whatever the k-means found
+    assert on_gpu.aggregate["ndcg@10"] == pytest.approx(on_cpu.aggregate["ndcg@10"], abs=1e-4)
+    tiny_random_colbert.cpu()

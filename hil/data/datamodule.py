@@ -1,25 +1,31 @@
-"""Training data as a LightningDataModule: text triples in, batches of strings out.
+"""Training data as a LightningDataModule: triples in, batches of strings out.
 
 Batches stay as strings; the LightningModule tokenizes them with its own ColBERTTokenizer, so the data layer never
-depends on a model and a checkpoint always tokenizes the way it was trained.
+depends on a model and a checkpoint always tokenizes the way it was trained. Triples files are read from disk by
+index (:mod:`hil.data.triples_file`), so their size is bounded by the disk, not by memory; only BM25-mined triples
+(small) and ``.gz`` files are held as a list.
 """
 
 from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Iterator
 
 import pytorch_lightning as pl
 import torch
 from torch.utils.data import Dataset, DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from hil.data.distinct import StreamedTexts, iter_distinct
 from hil.data.triples import Triple, iter_triples, mine_bm25_triples, read_triples
+from hil.data.triples_file import IdTriplesFile, TriplesFile
 from hil.paths import resolve_data_file
 
 
 class TripleDataset(Dataset):
+    """Triples held in a list (BM25-mined ones, a ``.gz`` file); the same interface as the on-disk datasets."""
+
     def __init__(self, triples: list[Triple]):
         self.triples = triples
 
@@ -28,6 +34,21 @@ class TripleDataset(Dataset):
 
     def __getitem__(self, index: int) -> Triple:
         return self.triples[index]
+
+    def __iter__(self) -> Iterator[Triple]:
+        return iter(self.triples)
+
+    def iter_passages(self) -> Iterator[str]:
+        """Positive then negative of each triple in order (repeats included)."""
+        for triple in self.triples:
+            yield triple.positive
+            yield triple.negative
+
+    def iter_queries(self) -> Iterator[str]:
+        return (triple.query for triple in self.triples)
+
+
+TrainingTriples = TripleDataset | TriplesFile | IdTriplesFile
 
 
 def collate_triples(triples: list[Triple]) -> dict[str, list[str]]:
@@ -40,6 +61,9 @@ def distributed_world() -> tuple[int, int]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_world_size(), torch.distributed.get_rank()
     return 1, 0
+
+
+_SHARD_CHUNK = 1 << 16  # positions of a rank's shard turned into Python ints at a time
 
 
 class EpochShuffleSampler(DistributedSampler):
@@ -96,26 +120,32 @@ class EpochShuffleSampler(DistributedSampler):
                 start = min(consumed // self.num_replicas, self.num_samples)
         return start
 
-    def permutation(self) -> list[int]:
-        """The whole epoch's order, padded (or cut, with drop_last) to ``total_size``."""
+    def permutation(self) -> torch.Tensor:
+        """The whole epoch's order of the dataset, (size,): ``randperm(size)`` seeded ``seed + epoch``, or
+        ``0..size-1`` without shuffling. Nothing is turned into Python ints up front, and the order is int32 below
+        2^31 items (4 bytes an item: 160 MB for MS MARCO's 40M triples); torch draws the same numbers in int32 as
+        in int64 (``tests/test_streamed_triples.py`` checks it), so the batches are those of earlier versions."""
+        dtype = torch.int32 if self.size < 2**31 else torch.int64
         if self.shuffle:
             generator = torch.Generator().manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.size, generator=generator).tolist()
-        else:
-            order = list(range(self.size))
-        if self.drop_last:
-            return order[: self.total_size]
-        padding = self.total_size - len(order)
-        while padding > 0:  # repeat the head (several times if the dataset is smaller than the world)
-            order += order[:padding]
-            padding = self.total_size - len(order)
-        return order
+            return torch.randperm(self.size, generator=generator, dtype=dtype)
+        return torch.arange(self.size, dtype=dtype)
+
+    def shard(self, start: int = 0) -> Iterator[int]:
+        """This rank's items of the epoch from its ``start``-th on: positions ``rank, rank + W, ...`` below
+        ``total_size`` of the permutation, which is cut to ``total_size`` (drop_last) or padded to it by repeating
+        itself from the head (as ``DistributedSampler`` does: position ``p`` holds item ``order[p % size]``).
+        Read a chunk of positions at a time, so only the permutation is held."""
+        order, world = self.permutation(), self.num_replicas
+        step = world * _SHARD_CHUNK
+        for first in range(self.rank + start * world, self.total_size, step):
+            positions = torch.arange(first, min(first + step, self.total_size), world)
+            yield from order[positions % self.size].tolist()
 
     def __iter__(self) -> Iterator[int]:
         start = self._start()
-        shard = self.permutation()[self.rank: self.total_size: self.num_replicas]  # (num_samples,)
         self._position = (self.epoch, start)
-        for index in shard[start:]:
+        for index in self.shard(start):
             self._position = (self.epoch, self._position[1] + 1)
             yield index
 
@@ -130,18 +160,8 @@ class EpochShuffleSampler(DistributedSampler):
         self.resume_at(int(state["epoch"]), int(state["consumed"]))
 
 
-def distinct_texts(texts: Iterable[str], limit: int | None) -> list[str]:
-    """The distinct ``texts`` in first-seen order, at most ``limit`` of them (None: all)."""
-    seen: dict[str, None] = {}
-    for text in texts:
-        seen.setdefault(text, None)
-        if limit is not None and len(seen) >= limit:
-            break
-    return list(seen)
-
-
-def idf_source_documents(source: str, limit: int | None, training: Sequence[Triple] | None = None,
-                         data_dir: str | None = None) -> tuple[list[str], str] | None:
+def idf_source_documents(source: str, limit: int | None, training: TrainingTriples | None = None,
+                         data_dir: str | None = None) -> tuple[Iterable[str], str] | None:
     """The documents ColBERT-HIL's query-term IDF is computed from (``data.idf_source``), and a label for them.
 
     ``"train"``: the distinct passages of the training triples (the paper trains and takes IDF on MS MARCO; its
@@ -150,25 +170,32 @@ def idf_source_documents(source: str, limit: int | None, training: Sequence[Trip
     ``idf_formula: authors``); ``"none"``: no table (uniform weights 1, an
     ablation; returns None); a path to a ``query TAB positive TAB negative`` file (its passages); or a BEIR
     dataset name or folder (its corpus). ``limit``: at most the first N distinct documents.
+
+    Texts from triples are streamed (:class:`~hil.data.distinct.StreamedTexts`: read from disk again at each
+    iteration, deduplicated by 64-bit hash, :func:`~hil.data.distinct.iter_distinct`), in first-seen order: the
+    same texts, in the same order, as deduplicating an in-memory list. The id layout gives each pid's (qid's) text
+    once before that, which does not change the result: texts are distinct texts, even where the collection repeats
+    a passage under two pids.
     """
     if source == "none":
         return None
-    if source == "train":
+    if source in ("train", "train_queries"):
         if training is None:
-            raise ValueError("data.idf_source=train needs the training triples (call setup('fit') first)")
-        return distinct_texts((text for t in training for text in (t.positive, t.negative)), limit), \
-            "training triples' passages"
-    if source == "train_queries":
-        if training is None:
-            raise ValueError("data.idf_source=train_queries needs the training triples (call setup('fit') first)")
-        return distinct_texts((t.query for t in training), limit), "training triples' queries"
+            raise ValueError(f"data.idf_source={source} needs the training triples (call setup('fit') first)")
+        if source == "train":
+            return StreamedTexts(lambda: iter_distinct(training.iter_passages(), limit), "training passages"), \
+                "training triples' passages"
+        return StreamedTexts(lambda: iter_distinct(training.iter_queries(), limit), "training queries"), \
+            "training triples' queries"
     try:
         path = resolve_data_file(source, data_dir)
     except FileNotFoundError:
         path = None
     if path is not None and path.is_file():
-        passages = (text for _, t in iter_triples(path) for text in (t.positive, t.negative))
-        return distinct_texts(passages, limit), f"passages of {path}"
+        def passages() -> Iterator[str]:
+            return (text for _, t in iter_triples(path) for text in (t.positive, t.negative))
+
+        return StreamedTexts(lambda: iter_distinct(passages(), limit), str(path)), f"passages of {path}"
     from hil.data.beir import load_beir
 
     try:
@@ -181,58 +208,92 @@ def idf_source_documents(source: str, limit: int | None, training: Sequence[Trip
 
 
 class TriplesDataModule(pl.LightningDataModule):
-    """Triples from an MS MARCO-style TSV, or mined from a BEIR training split with BM25 hard negatives.
+    """Triples from an MS MARCO-style TSV (text triples, or id triples with their queries and collection), or mined
+    from a BEIR training split with BM25 hard negatives.
+
+    Files are read from disk by index (:mod:`hil.data.triples_file`): any size trains in bounded memory, and every
+    rank and loader worker shares the same memory-mapped line offsets. Their batches are those an in-memory list of
+    the same triples would give.
 
     Args:
-        triples: a ``query TAB positive TAB negative`` file (a path, or relative to ``HIL_DATA_DIR``).
+        triples: a ``query TAB positive TAB negative`` file (a path, or relative to ``HIL_DATA_DIR``), e.g. MS
+            MARCO's ``triples.train.small.tsv``. A ``.gz`` file is read into memory instead.
+        id_triples, queries, collection: the id layout instead (Stanford ColBERT's and the HIL authors'):
+            ``qid TAB positive pid TAB negative pid`` (``qidpidtriples.train.full.2.tsv``), ``qid TAB text``
+            (``queries.train.tsv``) and ``pid TAB text`` (``collection.tsv``); all three are needed together.
         beir: a BEIR dataset name or folder; its ``qrels/<beir_split>.tsv`` positives get BM25-mined negatives.
+            Exactly one of ``triples``, ``id_triples`` and ``beir``.
         max_triples: keep only the first N triples (smoke runs).
         batch_size: triples per optimizer step on each device.
         seed: fixes the shuffling order of every epoch.
         idf_source, idf_max_docs: the collection an encoder that weights query terms (ColBERT-HIL) takes its IDF
             from at the start of training, when it has none yet (a model from ``init_from`` or a resumed
             checkpoint keeps its own); see :func:`idf_source_documents`. Ignored by other encoders.
+        cache_dir: where the line offsets of the files are kept; default ``$HIL_CACHE_DIR``, else beside the data
+            when its folder is writable, else ``~/.cache/hil`` (:func:`hil.data.line_index.cache_file`).
     """
 
     def __init__(self, triples: str | None = None, beir: str | None = None, beir_split: str = "train",
                  negatives_per_query: int = 1, bm25_depth: int = 100, max_triples: int | None = None,
                  batch_size: int = 32, num_workers: int = 0, shuffle: bool = True, seed: int = 12345,
-                 data_dir: str | None = None, idf_source: str = "train", idf_max_docs: int | None = None):
+                 data_dir: str | None = None, idf_source: str = "train", idf_max_docs: int | None = None,
+                 id_triples: str | None = None, queries: str | None = None, collection: str | None = None,
+                 cache_dir: str | None = None):
         super().__init__()
-        if (triples is None) == (beir is None):
-            raise ValueError("data: give exactly one of `triples` (a TSV of text triples) or `beir` (a dataset to "
-                             "mine triples from)")
+        if sum(source is not None for source in (triples, id_triples, beir)) != 1:
+            raise ValueError("data: give exactly one of `triples` (a TSV of text triples), `id_triples` (a TSV of "
+                             "qid, pid, pid with `queries` and `collection`) or `beir` (a dataset to mine triples "
+                             "from)")
+        if (id_triples is None) != (queries is None) or (id_triples is None) != (collection is None):
+            raise ValueError("data: `id_triples`, `queries` and `collection` go together (the id layout); give all "
+                             "three or none")
         if batch_size < 1:
             raise ValueError(f"data.batch_size must be >= 1 (got {batch_size})")
         if idf_max_docs is not None and idf_max_docs < 1:
             raise ValueError(f"data.idf_max_docs must be >= 1 or null (got {idf_max_docs})")
         self.save_hyperparameters()
-        self.train_dataset: TripleDataset | None = None
+        self.train_dataset: TrainingTriples | None = None
 
-    def idf_documents(self) -> tuple[list[str], str] | None:
-        """The documents of ``idf_source`` and their label (None: no IDF table, uniform weights)."""
-        training = self.train_dataset.triples if self.train_dataset is not None else None
-        return idf_source_documents(str(self.hparams.idf_source), self.hparams.idf_max_docs, training,
+    def idf_documents(self) -> tuple[Iterable[str], str] | None:
+        """The documents of ``idf_source`` (streamed when they come from triples) and their label (None: no IDF
+        table, uniform weights)."""
+        return idf_source_documents(str(self.hparams.idf_source), self.hparams.idf_max_docs, self.train_dataset,
                                     self.hparams.data_dir)
 
-    def load_triples(self) -> list[Triple]:
+    def _file(self, name: str) -> Path:
+        return resolve_data_file(self.hparams[name], self.hparams.data_dir)
+
+    def load_dataset(self) -> TrainingTriples:
+        """The training triples: read by index from a file, or a list (BM25-mined, or a ``.gz`` file)."""
         hp = self.hparams
-        if hp.triples is not None:
-            triples = read_triples(resolve_data_file(hp.triples, hp.data_dir), limit=hp.max_triples)
+        if hp.id_triples is not None:
+            dataset = IdTriplesFile(self._file("id_triples"), self._file("queries"), self._file("collection"),
+                                    limit=hp.max_triples, cache_dir=hp.cache_dir)
+        elif hp.triples is not None and self._file("triples").suffix != ".gz":
+            dataset = TriplesFile(self._file("triples"), limit=hp.max_triples, cache_dir=hp.cache_dir)
+        elif hp.triples is not None:
+            dataset = TripleDataset(read_triples(self._file("triples"), limit=hp.max_triples))
         else:
             from hil.data.beir import load_beir
 
-            dataset = load_beir(hp.beir, split=hp.beir_split, data_dir=hp.data_dir)
-            triples = mine_bm25_triples(dataset, negatives_per_query=hp.negatives_per_query, depth=hp.bm25_depth,
+            corpus = load_beir(hp.beir, split=hp.beir_split, data_dir=hp.data_dir)
+            triples = mine_bm25_triples(corpus, negatives_per_query=hp.negatives_per_query, depth=hp.bm25_depth,
                                         seed=hp.seed)
-            triples = triples[: hp.max_triples] if hp.max_triples else triples
-        if not triples:
+            dataset = TripleDataset(triples[: hp.max_triples] if hp.max_triples else triples)
+        if len(dataset) == 0:
             raise ValueError("data: no training triples were loaded")
-        return triples
+        return dataset
+
+    def prepare_data(self) -> None:
+        """Take the line offsets of the files once, before the ranks' ``setup`` (Lightning runs this on one process
+        per node first), so that the ranks map a finished cache instead of each scanning the file."""
+        hp = self.hparams
+        if hp.id_triples is not None or (hp.triples is not None and self._file("triples").suffix != ".gz"):
+            self.load_dataset()
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_dataset is None and stage in (None, "fit"):
-            self.train_dataset = TripleDataset(self.load_triples())
+            self.train_dataset = self.load_dataset()
 
     def train_dataloader(self) -> StatefulDataLoader:
         """Batches of string triples; the loader's position in the epoch is saved in checkpoints (the sampler's

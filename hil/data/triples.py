@@ -4,6 +4,9 @@ File format (MS MARCO ``triples.train.small.tsv``): one ``query TAB positive TAB
 follows :func:`hil.data.beir.iter_text_lines` (BOM and CRLF removed, blank lines skipped, invalid UTF-8 an error) and
 keeps text exactly as written: MS MARCO's mojibake (``"â\\x80\\x99"`` for ``'``) is valid UTF-8 and is not repaired,
 so training sees what ColBERT's reference training saw.
+
+:func:`read_triples` holds every triple; training reads files of any size by index instead
+(:class:`hil.data.triples_file.TriplesFile`, the same triples).
 """
 
 from __future__ import annotations
@@ -31,18 +34,26 @@ class Triple:
     negative: str
 
 
+def parse_triple(path: str | os.PathLike, line: int, text: str) -> Triple:
+    """The triple on line ``line`` of ``path`` (``text``: the line as :func:`iter_text_lines` gives it).
+
+    Raises :class:`DataFormatError` naming file and line for a wrong column count or an empty column.
+    """
+    columns = text.split("\t")
+    if len(columns) != 3:
+        raise DataFormatError(path, line, f"expected 3 tab-separated columns (query, positive, negative), "
+                                          f"found {len(columns)}")
+    for name, column in zip(_COLUMNS, columns):
+        if not column.strip():
+            raise DataFormatError(path, line, f"empty {name} column")
+    return Triple(*columns)
+
+
 def iter_triples(path: str | os.PathLike) -> Iterator[tuple[int, Triple]]:
     """``(line_number, Triple)`` for each line of a triples TSV, streaming (for files too big to hold)."""
     path = Path(path)
     for line, text in iter_text_lines(path):
-        columns = text.split("\t")
-        if len(columns) != 3:
-            raise DataFormatError(path, line, f"expected 3 tab-separated columns (query, positive, negative), "
-                                              f"found {len(columns)}")
-        for name, column in zip(_COLUMNS, columns):
-            if not column.strip():
-                raise DataFormatError(path, line, f"empty {name} column")
-        yield line, Triple(*columns)
+        yield line, parse_triple(path, line, text)
 
 
 def read_triples(path: str | os.PathLike, limit: int | None = None) -> list[Triple]:
