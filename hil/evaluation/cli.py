@@ -49,6 +49,7 @@ from hil.modeling.contracts import Encoder
 from hil.modeling.hil import HILEncoder
 from hil.modeling.loading import load_encoder
 from hil.retrieval.backends.registry import FAISS_KINDS as BACKEND_KINDS
+from hil.retrieval.corpus_encoding import check_processes
 from hil.retrieval.devices import PRECISIONS, check_precision, resolve_device
 from hil.retrieval.fast_encode import DOCUMENT_ENCODINGS
 from hil.retrieval.index import encoder_fingerprint
@@ -188,16 +189,15 @@ def check_arguments(args: argparse.Namespace) -> str | None:
         return f"--rerank-depth must be >= 1 (got {args.rerank_depth})"
     if args.relevance_level < 1:
         return f"--relevance-level must be >= 1 (got {args.relevance_level})"
-    if args.processes < 1:
-        return f"--processes must be >= 1 (got {args.processes})"
     try:
         device = resolve_device(args.device)
         check_precision(args.precision, device)
     except ValueError as error:
         return f"--device/--precision: {error}"
-    if args.processes > 1 and device.type == "cuda" and torch.cuda.device_count() < args.processes:
-        return f"--processes {args.processes} needs as many GPUs with --device cuda; this machine has " \
-               f"{torch.cuda.device_count()}"
+    try:
+        check_processes(args.processes, device)
+    except ValueError as error:
+        return f"--{error}"  # its messages start with "processes"
     return None
 
 

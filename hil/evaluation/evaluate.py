@@ -31,6 +31,7 @@ from hil.evaluation.metrics import DEFAULT_METRICS, evaluate_run
 from hil.evaluation.runs import candidates_from_run, read_trec_run, run_depth
 from hil.modeling.contracts import EncodedBatch, Encoder
 from hil.retrieval.builder import open_or_build_index
+from hil.retrieval.corpus_encoding import check_processes
 from hil.retrieval.devices import PRECISIONS, autocast, check_precision, faiss_gpu_for, resolve_device
 from hil.retrieval.encoding import encode_document_tokens, eval_mode
 from hil.retrieval.index import TokenIndex, encoder_fingerprint
@@ -192,9 +193,7 @@ def place_encoder(encoder: Encoder, settings: EvaluationSettings) -> torch.devic
     ``settings.precision``; -> the device."""
     device = resolve_device(settings.device)
     check_precision(settings.precision, device)
-    if settings.processes > 1 and device.type == "cuda" and torch.cuda.device_count() < settings.processes:
-        raise ValueError(f"processes={settings.processes} encoding processes need as many GPUs; this machine has "
-                         f"{torch.cuda.device_count()}")
+    check_processes(settings.processes, device)
     if encoder.device != device:
         encoder.to(device)
     return device

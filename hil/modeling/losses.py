@@ -170,6 +170,13 @@ class InBatchCE(TrainingLoss):
                                  "in_batch_candidates": torch.tensor(float(len(everyone)))})
 
 
+def require_hil_encoder(loss: torch.nn.Module, encoder: MultiVectorEncoder) -> None:
+    """The HIL losses score the heads L and H of a HILEncoder: anything else is a configuration error."""
+    if not isinstance(encoder, HILEncoder):
+        raise TypeError(f"{type(loss).__name__} scores the heads L and H of a HILEncoder; got a "
+                        f"{type(encoder).__name__} (set model.encoder.class_path: hil.modeling.hil.HILEncoder)")
+
+
 class HILLoss(TrainingLoss):
     """ColBERT-HIL's loss (HIL Sec. 3.3): ``CE_L + CE_H + lambda * (reg_L * [reg_l] + reg_H * [reg_h])``.
 
@@ -191,9 +198,7 @@ class HILLoss(TrainingLoss):
         return {**super().settings(), "reg_weight": self.reg_weight, "reg_l": self.reg_l, "reg_h": self.reg_h}
 
     def forward(self, encoder: MultiVectorEncoder, batch: TripleBatch) -> LossOutput:
-        if not isinstance(encoder, HILEncoder):
-            raise TypeError(f"HILLoss scores the heads L and H of a HILEncoder; got a {type(encoder).__name__} "
-                            f"(set model.encoder.class_path: hil.modeling.hil.HILEncoder)")
+        require_hil_encoder(self, encoder)
         n = batch.size
         late, query_masks = encoder.training_pair_scores(batch.queries, batch.docs, batch.pair_index)  # head -> (2B,)
         loss_late = {head: pairwise_ce_loss(late[head][:n], late[head][n:]) for head in HEADS}
@@ -230,9 +235,7 @@ class HILAuthorsLoss(TrainingLoss):
         return {**super().settings(), "reg_weight": self.reg_weight}
 
     def forward(self, encoder: MultiVectorEncoder, batch: TripleBatch) -> LossOutput:
-        if not isinstance(encoder, HILEncoder):
-            raise TypeError(f"HILAuthorsLoss scores the heads L and H of a HILEncoder; got a {type(encoder).__name__} "
-                            f"(set model.encoder.class_path: hil.modeling.hil.HILEncoder)")
+        require_hil_encoder(self, encoder)
         n = batch.size
         late, _ = encoder.training_pair_scores(batch.queries, batch.docs, batch.pair_index)  # head -> (2B,)
         total = (late["L"] + late["H"]) / 2
