@@ -393,7 +393,7 @@ def section_train(cfg: dict[str, Any]) -> dict[str, Any]:
 def _tiled_index(base: Any, factor: int, directory: Path) -> Any:
     """``base`` repeated ``factor`` times (copy r of document d gets id ``d#r``), streamed through memmaps."""
     from hil.provenance import write_json_atomic
-    from hil.retrieval.index import TokenIndex, save_npy_atomic
+    from hil.retrieval.index import TokenIndex, save_npy_atomic, seal_index
 
     if (directory / "index.json").is_file():
         return TokenIndex.load(directory)
@@ -413,11 +413,12 @@ def _tiled_index(base: Any, factor: int, directory: Path) -> Any:
     save_npy_atomic(directory / "doc_offsets.npy", np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
     ids = [d if r == 0 else f"{d}#{r}" for r in range(factor) for d in base.doc_ids]
     write_json_atomic(directory / "doc_ids.json", ids)
-    write_json_atomic(directory / "index.json", {**base.meta, "n_docs": len(ids), "n_tokens": n_tokens,
-                                                 "faiss": {"kind": "flat", "params": {}, "factory": "Flat",
-                                                           "metric": "inner_product", "stored": False},
-                                                 "corpus_fingerprint": f"{base.corpus_fingerprint}x{factor}",
-                                                 "tiled_from": str(base.directory), "tiling": factor})
+    # Sealed: index.json records the sizes and checksums of these new files (a copy of base.meta's would not match).
+    seal_index(directory, {**base.meta, "n_docs": len(ids), "n_tokens": n_tokens,
+                           "faiss": {"kind": "flat", "params": {}, "factory": "Flat", "metric": "inner_product",
+                                     "stored": False},
+                           "corpus_fingerprint": f"{base.corpus_fingerprint}x{factor}",
+                           "tiled_from": str(base.directory), "tiling": factor})
     return TokenIndex.load(directory)
 
 

@@ -1,9 +1,10 @@
 """Command-line entry points: ``train.py`` (LightningCLI) and ``evaluate.py``.
 
 Errors a user can fix from the config -- a bad or unknown option, a model or data path that is not there, a
-tokenizer without the marker tokens, a malformed data file, a value our own validation refuses, a non-finite loss --
-are printed as one line, ``error: <what and where>``, with exit status 2 (1 for a non-finite loss), instead of a
-usage screen or a traceback. Anything else (a bug) keeps its traceback; ``HIL_DEBUG=1`` keeps them all.
+tokenizer without the marker tokens, a malformed data file, a ``--ckpt_path`` that is not a training checkpoint, a
+value our own validation refuses (``hil.data.errors.UserError``), a non-finite loss -- are printed as one line,
+``error: <what and where>``, with exit status 2 (1 for a non-finite loss), instead of a usage screen or a traceback.
+Anything else (a bug) keeps its traceback; ``HIL_DEBUG=1`` keeps them all.
 """
 
 from __future__ import annotations
@@ -14,58 +15,68 @@ import sys
 # Thread settings must be fixed before torch spins up its pools.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import json  # noqa: E402
+import zipfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import NoReturn  # noqa: E402
 
+import torch  # noqa: E402
 from jsonargparse import Namespace  # noqa: E402
 from lightning_fabric.utilities.exceptions import MisconfigurationException  # noqa: E402
 from pytorch_lightning.cli import LightningArgumentParser, LightningCLI  # noqa: E402
 
 from hil.data.datamodule import TriplesDataModule  # noqa: E402
-from hil.data.errors import DataFormatError  # noqa: E402
+from hil.data.errors import DEBUG_ENV, MissingInputError, UserError, one_line  # noqa: E402
+from hil.data.errors import user_error as _user_error  # noqa: E402
 from hil.data.tokenization import MarkerTokenError  # noqa: E402
 from hil.modeling.callbacks import NonFiniteGuard, NonFiniteLossError, StepReseed  # noqa: E402
 from hil.modeling.module import RetrieverModule  # noqa: E402
+from hil.paths import resolve_config  # noqa: E402
 
-DEBUG_ENV = "HIL_DEBUG"  # set to 1 for full tracebacks and jsonargparse's usage screens
-PACKAGE_DIR = Path(__file__).resolve().parent
-# Always a user-facing message, wherever raised.
-USER_ERRORS = (MarkerTokenError, DataFormatError, NonFiniteLossError, MisconfigurationException)
-# A user-facing message when raised by our own code (a missing path, a refused value); elsewhere possibly a bug.
-OWN_ERRORS = (FileNotFoundError, NotADirectoryError, ValueError)
-# Lines of jsonargparse's messages that only repeat that an argument is ``X | None``.
-_UNION_NOISE = ("Does not validate against any of the Union subtypes", "Subtypes:", "Errors:",
-                "- Expected a <class 'NoneType'>", "Given value type:", "Given value:")
+__all__ = ["DEBUG_ENV", "HILCLI", "check_checkpoint", "evaluate_main", "one_line", "run_train", "train_main",
+           "user_error"]
 
-
-def one_line(message: str) -> str:
-    """A (possibly nested, multi-line) error message on one line, without jsonargparse's Union boilerplate."""
-    lines = [line.strip() for line in str(message).splitlines() if line.strip()]
-    return " ".join(line.removeprefix("- ") for line in lines if not line.startswith(_UNION_NOISE))
-
-
-def _raised_in_package(error: BaseException) -> bool:
-    frame = error.__traceback__
-    if frame is None:
-        return False
-    while frame.tb_next is not None:
-        frame = frame.tb_next
-    return PACKAGE_DIR in Path(frame.tb_frame.f_code.co_filename).resolve().parents
+# Always a user-facing message, wherever raised (besides UserError and its subclasses).
+USER_ERRORS = (MarkerTokenError, NonFiniteLossError, MisconfigurationException)
+# ``ckpt_path`` values Lightning resolves itself instead of reading a file.
+LIGHTNING_CHECKPOINT_NAMES = ("last", "best", "hpc", "registry")
+# What every checkpoint ``Trainer.fit`` writes holds; a bare state dict or an export lacks them.
+LIGHTNING_CHECKPOINT_KEYS = ("state_dict", "pytorch-lightning_version")
 
 
 def user_error(error: BaseException) -> BaseException | None:
-    """The user-facing error behind ``error``, following ``__cause__``/``__context__`` (jsonargparse wraps the
-    exceptions of the classes it instantiates in its own ValueError); None when it looks like a bug."""
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if isinstance(current, USER_ERRORS):
-            return current
-        if isinstance(current, OWN_ERRORS) and _raised_in_package(current):
-            return current
-        current = current.__cause__ or current.__context__
-    return None
+    """The user-facing error behind ``error`` (:func:`hil.data.errors.user_error`, with the training errors that
+    are always the user's), or None when it looks like a bug."""
+    return _user_error(error, also=USER_ERRORS)
+
+
+def check_checkpoint(path: str | os.PathLike | None, option: str = "--ckpt_path") -> None:
+    """Refuse, naming ``option`` and the path, a checkpoint to resume from that is not there, is a folder, or is
+    not a Lightning training checkpoint (Lightning itself fails deep inside with ``IndexError`` or ``KeyError``).
+
+    Lightning's own names (``last``, ``best``, ...) and remote URLs are left to Lightning. Only the checkpoint's
+    pickled structure is read (tensors stay memory-mapped on disk).
+    """
+    if path is None or str(path).split(":")[0] in LIGHTNING_CHECKPOINT_NAMES or "://" in str(path):
+        return
+    where = f"{option} {path}"
+    file = Path(path).expanduser()
+    if not file.exists():
+        raise MissingInputError(f"{where}: no such file")
+    if file.is_dir():
+        raise UserError(f"{where}: a folder, not a checkpoint file (give a .ckpt, e.g. "
+                        f"{file / 'checkpoints' / 'last.ckpt'})")
+    if not zipfile.is_zipfile(file):
+        raise UserError(f"{where}: not a PyTorch checkpoint (not a torch.save archive)")
+    try:
+        checkpoint = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as error:  # whatever torch's unpickler says of a damaged or foreign file
+        raise UserError(f"{where}: not a readable PyTorch checkpoint ({type(error).__name__}: "
+                        f"{one_line(error)})") from None
+    missing = [key for key in LIGHTNING_CHECKPOINT_KEYS if not isinstance(checkpoint, dict) or key not in checkpoint]
+    if missing:
+        raise UserError(f"{where}: not a Lightning training checkpoint (no {', '.join(missing)}); to start from "
+                        f"a model's weights instead, use model.init_from")
 
 
 class HILArgumentParser(LightningArgumentParser):
@@ -91,9 +102,16 @@ class HILCLI(LightningCLI):
         parser.add_lightning_class_args(StepReseed, "step_reseed")
         parser.add_lightning_class_args(NonFiniteGuard, "nonfinite_guard")
 
+    def parse_arguments(self, parser: LightningArgumentParser, args) -> None:
+        super().parse_arguments(parser, args)
+        # Checked here because LightningCLI reads the checkpoint's hyperparameters next, before any other hook.
+        subcommand = self.config.get("subcommand")
+        if subcommand:
+            check_checkpoint(self.config[subcommand].get("ckpt_path"))
+
     def before_instantiate_classes(self) -> None:
-        # Unless the config names its own loggers, log to TensorBoard and CSV under default_root_dir.
         config = self.config.get(self.subcommand) if self.subcommand else self.config
+        # Unless the config names its own loggers, log to TensorBoard and CSV under default_root_dir.
         trainer = config["trainer"]
         if trainer.get("logger") in (None, True):
             root = trainer.get("default_root_dir") or "."
@@ -104,27 +122,58 @@ class HILCLI(LightningCLI):
                           init_args=Namespace(save_dir=root, name="csv"))]
 
     def after_fit(self) -> None:
-        export_dir = self.config.get(self.subcommand, {}).get("export_dir")
+        config = self.config.get(self.subcommand, {})
+        export_dir = config.get("export_dir")
         if export_dir and self.trainer.is_global_zero:
-            self.model.export(export_dir)
+            data = config.get("data")
+            data = data.as_dict() if isinstance(data, Namespace) else data
+            # JSON-safe (paths and classes as text): the model card reads what the model was trained on.
+            self.model.export(export_dir, data=json.loads(json.dumps(data, default=str)) if data else None)
             print(f"exported model to {export_dir}")
 
 
-def train_main(args: list[str] | None = None) -> HILCLI:
-    """``python train.py fit --config configs/colbert.yaml [--config configs/variants/<variant>.yaml]``.
+def resolve_config_arguments(args: list[str]) -> list[str]:
+    """``--config colbert_hil`` (or ``variants/colbert_hil``, ``presets/smoke``): the package's recipe of that name
+    (``hil.paths.resolve_config``), so the YAML files work after ``pip install`` from any folder. Paths that exist,
+    and anything else, are passed on unchanged."""
+    resolved = list(args)
+    for i, arg in enumerate(resolved):
+        if arg == "--config" and i + 1 < len(resolved):
+            resolved[i + 1] = resolve_config(resolved[i + 1])
+        elif arg.startswith("--config="):
+            resolved[i] = "--config=" + resolve_config(arg.removeprefix("--config="))
+    return resolved
 
-    A user-facing error (see the module docstring) exits with ``error: <message>`` on stderr.
+
+def run_train(args: list[str] | None = None) -> HILCLI:
+    """``train.py``'s command line (``fit --config configs/colbert.yaml [--config <variant>.yaml] ...``) run in this
+    process; -> the CLI (its ``trainer``, ``model``, ``datamodule``).
+
+    A user-facing error (see the module docstring) prints ``error: <message>`` on stderr and raises ``SystemExit``
+    with status 2 (1 for a non-finite loss).
     """
     try:
         # The optimizer and schedule are the model's (``model.optimizer``, ``model.lr_scheduler``): no top-level ones.
+        args = resolve_config_arguments(sys.argv[1:] if args is None else args)
         return HILCLI(RetrieverModule, TriplesDataModule, args=args, auto_configure_optimizers=False,
                       parser_class=HILArgumentParser, save_config_kwargs={"overwrite": True})
     except Exception as error:
         shown = None if os.environ.get(DEBUG_ENV) else user_error(error)
         if shown is None:
             raise
-        print(f"error: {one_line(str(shown))}", file=sys.stderr)
+        print(f"error: {one_line(shown)}", file=sys.stderr)
         raise SystemExit(1 if isinstance(shown, NonFiniteLossError) else 2) from None
+
+
+def train_main(args: list[str] | None = None) -> HILCLI | None:
+    """The ``hil-train`` console script and ``python train.py``: :func:`run_train`.
+
+    Without ``args`` (the process's own command line) it returns None: the console script's wrapper passes the
+    return value to ``sys.exit``, which would print an object and exit with status 1 after a successful run. With
+    ``args`` (in-process callers) it returns the CLI, as :func:`run_train` does.
+    """
+    cli = run_train(args)
+    return None if args is None else cli
 
 
 def evaluate_main(args: list[str] | None = None) -> int:

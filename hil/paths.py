@@ -62,3 +62,29 @@ def resolve_data_file(name_or_path: str | os.PathLike, data_dir: str | os.PathLi
         return root / path
     hint = f" (also looked under {DATA_DIR_ENV}={root})" if root is not None else f" (set {DATA_DIR_ENV} to look there)"
     raise FileNotFoundError(f"{name_or_path}: no such file{hint}")
+
+
+CONFIGS_DIR = Path(__file__).resolve().parent / "configs"  # the YAML recipes, installed with the package
+
+
+def config_names() -> list[str]:
+    """The names ``resolve_config`` accepts: each YAML file under the package's configs, without ``.yaml``, by its
+    path (``variants/colbert_hil``) and, when that is unique, by its bare name (``colbert_hil``)."""
+    files = sorted(CONFIGS_DIR.rglob("*.yaml"))
+    stems = [f.stem for f in files]
+    names = [str(f.relative_to(CONFIGS_DIR).with_suffix("")) for f in files]
+    return names + [stem for stem in stems if stems.count(stem) == 1 and stem not in names]
+
+
+def resolve_config(value: str) -> str:
+    """A ``--config`` value: an existing file as given, else a recipe of the package named ``colbert``,
+    ``colbert_hil``, ``variants/colbert_hil``, ``presets/smoke`` (``.yaml`` optional); anything else unchanged (the
+    CLI then says the file is missing)."""
+    if Path(value).expanduser().exists() or not value or "\n" in value or value.lstrip().startswith(("{", "[")):
+        return value
+    name = value.removesuffix(".yaml").removeprefix("configs/")
+    direct = CONFIGS_DIR / f"{name}.yaml"
+    if direct.is_file():
+        return str(direct)
+    matches = sorted(CONFIGS_DIR.rglob(f"{Path(name).name}.yaml")) if "/" not in name else []
+    return str(matches[0]) if len(matches) == 1 else value

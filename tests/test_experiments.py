@@ -181,10 +181,10 @@ def test_smoke_dl19_reranks_the_given_bm25_run(tmp_path, capsys):
 
 
 def test_bad_arguments_are_one_line_errors(tmp_path, capsys):
-    assert main(["--profile", "smoke", "--out", str(tmp_path), "--variants", "colbert,nope"]) == 1
-    assert "unknown variant or dataset ['nope']" in capsys.readouterr().err
+    assert main(["--profile", "smoke", "--out", str(tmp_path), "--variants", "colbert,nope"]) == 2
+    assert "--variants: unknown 'nope'" in capsys.readouterr().err
     assert main(["--profile", "smoke", "--out", str(tmp_path), "--max-steps", "0"]) == 2
-    assert main(["--profile", "smoke", "--out", str(tmp_path / "empty"), "--report-only"]) == 1
+    assert main(["--profile", "smoke", "--out", str(tmp_path / "empty"), "--report-only"]) == 2
     assert "no evaluations found" in capsys.readouterr().err
 
 

@@ -2,8 +2,8 @@
 ``pid TAB text``) and ``queries.train.tsv`` (``qid TAB text``), the files Stanford ColBERT and the HIL authors train
 from together with ``qidpidtriples.train.full.2.tsv``.
 
-Lines are read as :func:`hil.data.beir.load_topics_tsv` reads them (BOM, CRLF, blank lines; the id is the text before
-the first tab, stripped, non-empty and without whitespace; the text is the rest, tabs included) but through a
+Lines are read as :func:`hil.data.beir_files.load_topics_tsv` reads them (BOM, CRLF, blank lines; the id is the text
+before the first tab, stripped, non-empty and without whitespace; the text is the rest, tabs included) but through a
 :class:`~hil.data.line_index.LineIndex`: a text is one ``pread`` away. The id -> line lookup is one of three:
 
 - **dense**: the ids are ``0, 1, ..., N-1`` in line order (MS MARCO's collection): the line is the id; no array.

@@ -2,10 +2,10 @@
 cached on disk, so that line ``i`` is one ``pread`` away without holding the file (MS MARCO's 27 GB
 ``triples.train.small.tsv`` costs 8 bytes a line: 320 MB of offsets for its 40M lines, memory-mapped).
 
-Lines are those of :func:`hil.data.beir.iter_text_lines`, exactly: split on ``\\n`` only; a first-line UTF-8 BOM and
-the ``\\r`` of CRLF removed; blank (whitespace-only, ``str.strip`` sense) lines skipped but counted in line numbers;
-a last line without a newline kept; invalid UTF-8 an error. So item ``i`` of a :class:`LineIndex` is the ``i``-th
-pair that ``iter_text_lines`` yields, and its physical line number is the same.
+Lines are those of :func:`hil.data.beir_files.iter_text_lines`, exactly: split on ``\\n`` only; a first-line UTF-8
+BOM and the ``\\r`` of CRLF removed; blank (whitespace-only, ``str.strip`` sense) lines skipped but counted in line
+numbers; a last line without a newline kept; invalid UTF-8 an error. So item ``i`` of a :class:`LineIndex` is the
+``i``-th pair that ``iter_text_lines`` yields, and its physical line number is the same.
 
 The one pass reads blocks of 16 MiB and finds line breaks and tabs with numpy; it also validates the whole file's
 UTF-8 and the number of tab-separated columns of every line (``tabs``), so a malformed line is reported before
@@ -36,7 +36,7 @@ from typing import Callable
 
 import numpy as np
 
-from hil.data.errors import DataFormatError
+from hil.data.errors import DataFormatError, MissingInputError
 from hil.paths import CACHE_DIR_ENV
 from hil.provenance import atomic_output
 
@@ -127,7 +127,8 @@ def save_cache(cache: Path, stamp: FileStamp, kind: int, parts: list[np.ndarray]
 
 
 def _raise_utf8(path: Path, number: int, raw: bytes) -> None:
-    """The error :func:`hil.data.beir.iter_text_lines` gives for line ``number`` (``raw``: without BOM and ``\\n``)."""
+    """The error :func:`hil.data.beir_files.iter_text_lines` gives for line ``number`` (``raw``: without BOM and
+    ``\\n``)."""
     raw = raw[:-1] if raw.endswith(b"\r") else raw
     try:
         raw.decode("utf-8")
@@ -257,8 +258,12 @@ class LineIndex:
     def __init__(self, path: str | os.PathLike, tabs: tuple[int, int | None] = (0, None),
                  bad_columns: BadColumns | None = None, cache_dir: str | os.PathLike | None = None):
         self.path = Path(path)
+        if not self.path.exists():
+            raise MissingInputError(f"{self.path}: no such file")
+        if not self.path.is_file():
+            raise DataFormatError(self.path, None, "not a file")
         if self.path.suffix == ".gz":
-            raise ValueError(f"{self.path}: a compressed file cannot be read by line offsets; decompress it")
+            raise DataFormatError(self.path, None, "a compressed file cannot be read by line offsets; decompress it")
         self.tabs = tabs
         self.stamp = FileStamp.of(self.path)
         self.cache = cache_file(self.path, "lines", cache_dir)

@@ -63,6 +63,9 @@ class ColBERTTokenizer:
         self.attend_to_mask_tokens = bool(attend_to_mask_tokens)
         self.query_marker_id = self._marker_id(query_marker, "query_marker")
         self.doc_marker_id = self._marker_id(doc_marker, "doc_marker")
+        # Kept as given: an added token such as PyLate's "[Q] " reads back normalized ("[q] ") from its id, and
+        # that spelling is not in the vocabulary.
+        self.query_marker, self.doc_marker = query_marker, doc_marker
         for name in ("cls_token_id", "sep_token_id", "pad_token_id", "mask_token_id"):
             if getattr(tokenizer, name) is None:
                 raise MarkerTokenError(f"tokenizer {tokenizer.name_or_path!r} has no {name.removesuffix('_id')}; "
@@ -118,6 +121,5 @@ class ColBERTTokenizer:
 
     def settings(self) -> dict:
         return {"query_maxlen": self.query_maxlen, "doc_maxlen": self.doc_maxlen,
-                "query_marker": self.tokenizer.convert_ids_to_tokens(self.query_marker_id),
-                "doc_marker": self.tokenizer.convert_ids_to_tokens(self.doc_marker_id),
+                "query_marker": self.query_marker, "doc_marker": self.doc_marker,
                 "mask_punctuation": self.mask_punctuation, "attend_to_mask_tokens": self.attend_to_mask_tokens}

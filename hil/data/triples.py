@@ -1,9 +1,9 @@
 """Training triples (query, positive passage, negative passage): MS MARCO text triples and BM25-mined ones.
 
 File format (MS MARCO ``triples.train.small.tsv``): one ``query TAB positive TAB negative`` a line, UTF-8. Reading
-follows :func:`hil.data.beir.iter_text_lines` (BOM and CRLF removed, blank lines skipped, invalid UTF-8 an error) and
-keeps text exactly as written: MS MARCO's mojibake (``"â\\x80\\x99"`` for ``'``) is valid UTF-8 and is not repaired,
-so training sees what ColBERT's reference training saw.
+follows :func:`hil.data.beir_files.iter_text_lines` (BOM and CRLF removed, blank lines skipped, invalid UTF-8 an
+error) and keeps text exactly as written: MS MARCO's mojibake (``"â\\x80\\x99"`` for ``'``) is valid UTF-8 and is not
+repaired, so training sees what ColBERT's reference training saw.
 
 :func:`read_triples` holds every triple; training reads files of any size by index instead
 (:class:`hil.data.triples_file.TriplesFile`, the same triples).
@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, TYPE_CHECKING
 
-from hil.data.beir import BeirDataset, iter_text_lines
-from hil.data.errors import DataFormatError
+from hil.data.beir import BeirDataset
+from hil.data.beir_files import iter_text_lines
+from hil.data.errors import DataFormatError, UserError
 from hil.provenance import atomic_output
 
 if TYPE_CHECKING:
@@ -63,7 +64,7 @@ def read_triples(path: str | os.PathLike, limit: int | None = None) -> list[Trip
     UTF-8, and for a file without any triple.
     """
     if limit is not None and limit < 0:
-        raise ValueError(f"limit must be >= 0, got {limit}")
+        raise UserError(f"limit must be >= 0, got {limit}")
     triples: list[Triple] = []
     if limit == 0:
         return triples
@@ -111,9 +112,9 @@ def mine_bm25_triples(dataset: BeirDataset, negatives_per_query: int = 1, depth:
     from hil.data.bm25 import BM25Index  # a sibling module; imported here to keep bm25s optional for readers
 
     if negatives_per_query < 1:
-        raise ValueError(f"negatives_per_query must be >= 1, got {negatives_per_query}")
+        raise UserError(f"negatives_per_query must be >= 1, got {negatives_per_query}")
     if depth < 1 or skip_top < 0 or skip_top >= depth:
-        raise ValueError(f"need depth >= 1 and 0 <= skip_top < depth, got depth={depth}, skip_top={skip_top}")
+        raise UserError(f"need depth >= 1 and 0 <= skip_top < depth, got depth={depth}, skip_top={skip_top}")
     query_ids = [query_id for query_id in dataset.queries
                  if any(score > 0 for score in dataset.qrels.get(query_id, {}).values())]
     if not query_ids:

@@ -29,8 +29,8 @@ from typing import Iterator
 import numpy as np
 from torch.utils.data import Dataset
 
-from hil.data.beir import iter_text_lines
-from hil.data.errors import DataFormatError
+from hil.data.beir_files import iter_text_lines
+from hil.data.errors import DataFormatError, UserError
 from hil.data.id_texts import IdTextFile, checked_id
 from hil.data.line_index import LineIndex
 from hil.data.triples import Triple, parse_triple
@@ -40,7 +40,7 @@ _CHUNK = 4096  # triples whose ids are looked up together when streaming
 
 def _checked_limit(limit: int | None, available: int) -> int:
     if limit is not None and limit < 0:
-        raise ValueError(f"limit must be >= 0, got {limit}")
+        raise UserError(f"limit must be >= 0, got {limit}")
     return available if limit is None else min(limit, available)
 
 

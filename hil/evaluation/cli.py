@@ -24,8 +24,11 @@ TREC DL19's has many) are kept, as BEIR and trec_eval keep them (they count in t
 giving their count, recorded in metrics.json.
 
 With --first-stage-run, the candidates are a TREC run file's (each query's best --rerank-depth documents by score,
-all of them by default); the run itself, scored as given, is the baseline row instead of BM25. A run that is missing, malformed, or names a query or document the dataset lacks is a
-one-line error naming file and line (exit status 2).
+all of them by default); the run itself, scored as given, is the baseline row instead of BM25.
+
+A user error is one line on stderr, "evaluate.py: error: <message>", naming the option, file and line, or key, with
+exit status 2 and no traceback (HIL_DEBUG=1 keeps it): an option out of range, a malformed data or run file, a
+missing dataset or split, a model that cannot be loaded, FAISS parameters that do not fit the corpus.
 """
 
 from __future__ import annotations
@@ -33,15 +36,17 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import faiss
 import torch
+from transformers.utils import logging as transformers_logging
 
 from hil.data.beir import BeirDataset, load_beir
-from hil.data.errors import DataFormatError
+from hil.data.errors import DEBUG_ENV, UserError, one_line, user_error
 from hil.evaluation.evaluate import (Evaluation, EvaluationSettings, evaluate, evaluate_bm25, evaluate_run_file,
                                      evaluate_transformed, first_stage, subset_with_first_stage)
 from hil.evaluation.results import evaluation_statistics, format_statistics, format_table, write_results
@@ -49,15 +54,43 @@ from hil.modeling.contracts import Encoder
 from hil.modeling.hil import HILEncoder
 from hil.modeling.loading import load_encoder
 from hil.retrieval.backends.registry import FAISS_KINDS as BACKEND_KINDS
+from hil.retrieval.backends.registry import backend_class
 from hil.retrieval.corpus_encoding import check_processes
 from hil.retrieval.devices import PRECISIONS, check_precision, resolve_device
 from hil.retrieval.fast_encode import DOCUMENT_ENCODINGS
 from hil.retrieval.index import encoder_fingerprint
 
+PROG = "evaluate.py"
+# Integer options that must be >= 1 when given (checked by ``check_arguments``, named in the message).
+POSITIVE_OPTIONS = ("k", "ncandidates", "rerank_depth", "relevance_level", "processes", "batch_size", "threads",
+                    "max_queries", "max_docs", "dim", "query_maxlen", "doc_maxlen", "transform_max_tokens",
+                    "bootstrap_samples")
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose errors are a :class:`UserError` (printed by :func:`main` as one line naming the option), not a
+    usage screen followed by the message."""
+
+    def error(self, message: str):
+        raise UserError(f"{message} (see {self.prog} --help)")
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """An argparse ``type``: a JSON object of numbers or booleans (FAISS parameters)."""
+    try:
+        value = json.loads(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({error}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"nlist\": 1024}}', got {text!r}")
+    for key, item in value.items():
+        if not isinstance(item, (int, float)) or (not isinstance(item, bool) and not 0 <= item < float("inf")):
+            raise argparse.ArgumentTypeError(f"{key!r} must be a number >= 0 or a boolean, got {item!r}")
+    return value
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="evaluate.py", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True,
                         help="export directory, Lightning .ckpt, or a backbone name/path (ColBERT head untrained)")
     parser.add_argument("--dataset", required=True, help="BEIR name (under HIL_DATA_DIR, else the hub) or folder")
@@ -80,13 +113,16 @@ def build_parser() -> argparse.ArgumentParser:
                         help="lowest grade binary metrics (recall, MAP, MRR, P) count as relevant; TREC DL uses 2. "
                              "nDCG always uses the grades")
     parser.add_argument("--faiss", choices=BACKEND_KINDS, default="flat", help="the index's search back-end")
-    parser.add_argument("--faiss-params", type=json.loads, default=None,
+    parser.add_argument("--faiss-params", type=json_object, default=None,
                         help='JSON, e.g. \'{"nlist": 1024, "m": 16, "nbits": 8, "nprobe": 16}\'')
     parser.add_argument("--encode-documents", choices=("fp32", *DOCUMENT_ENCODINGS), default="fp32",
                         help="how the corpus is encoded (queries stay fp32): onnx-int8 = ONNX Runtime with int8 "
                              "matrix products, ~2x PyLate's speed on a CPU (bench/README has its nDCG@10 cost); "
                              "onnx = the same runtime in fp32; int8 = PyTorch SmoothQuant int8; "
                              "compile = torch.compile")
+    parser.add_argument("--verify-index", choices=("auto", "sizes", "full"), default="auto",
+                        help="how a reused index's files are checked against what index.json recorded: sizes always, "
+                             "SHA-256 checksums too for indexes up to 1 GiB (auto), always (full) or never (sizes)")
     parser.add_argument("--device", default="auto",
                         help="where the model runs: auto (the GPU when there is one), cpu, cuda, cuda:N")
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
@@ -134,7 +170,7 @@ def settings_from(args: argparse.Namespace) -> EvaluationSettings:
         ncandidates=args.ncandidates, rerank_depth=args.rerank_depth or 100, batch_size=args.batch_size,
         document_encoding=None if args.encode_documents == "fp32" else args.encode_documents,
         progress=not args.quiet, device=args.device, precision=args.precision, processes=args.processes,
-        faiss_gpu=args.faiss_gpu)
+        faiss_gpu=args.faiss_gpu, verify_index=args.verify_index)
 
 
 def load_model(args: argparse.Namespace, dataset: BeirDataset) -> Encoder:
@@ -146,8 +182,8 @@ def load_model(args: argparse.Namespace, dataset: BeirDataset) -> Encoder:
     encoder = load_encoder(args.model, **overrides)
     if args.idf == "corpus":
         if not isinstance(encoder, HILEncoder):
-            raise SystemExit(f"evaluate.py: --idf corpus needs a model with IDF weights (ColBERT-HIL); "
-                             f"{args.model} is {encoder.architecture}")
+            raise UserError(f"--idf corpus needs a model with IDF weights (ColBERT-HIL); {args.model} is "
+                            f"{encoder.architecture}")
         if encoder.idf_from_queries:  # the HIL authors' IDF is taken over the target dataset's queries
             encoder.set_idf_from_texts(list(dataset.queries.values()),
                                        source=f"{dataset.name} queries ({dataset.split})")
@@ -177,28 +213,36 @@ def evaluate_model(args: argparse.Namespace, dataset: BeirDataset, candidates: d
     return evaluations, models
 
 
-def check_arguments(args: argparse.Namespace) -> str | None:
-    """What is wrong with the combination of arguments, or None; fills in the default ``--mode``."""
+def check_arguments(args: argparse.Namespace) -> None:
+    """Refuse arguments that cannot work, naming the options (a :class:`UserError`): an integer option below 1, a
+    combination of options, FAISS parameters the back-end does not take, a device or precision not there; fills in
+    the default ``--mode``. (Parameters that do not fit the corpus, such as an IVF ``nlist`` above its number of
+    token vectors, are refused by the back-end once the corpus is encoded.)"""
     if args.mode is None:
         args.mode = "rerank" if args.first_stage_run else "full"
+    for option in POSITIVE_OPTIONS:
+        value = getattr(args, option)
+        if value is not None and value < 1:
+            raise UserError(f"--{option.replace('_', '-')} must be >= 1 (got {value})")
     if args.mode == "bm25" and args.transform:
-        return "--transform needs a model (not --mode bm25)"
+        raise UserError("--transform needs a model (not --mode bm25)")
     if args.first_stage_run and args.mode not in ("rerank", "exhaustive"):
-        return f"--first-stage-run gives candidates to re-rank: it needs --mode rerank or exhaustive, not {args.mode}"
-    if args.rerank_depth is not None and args.rerank_depth < 1:
-        return f"--rerank-depth must be >= 1 (got {args.rerank_depth})"
-    if args.relevance_level < 1:
-        return f"--relevance-level must be >= 1 (got {args.relevance_level})"
+        raise UserError(f"--first-stage-run gives candidates to re-rank: it needs --mode rerank or exhaustive, not "
+                        f"{args.mode}")
+    if args.faiss_params:
+        try:  # the back-end's own list of what it accepts
+            backend_class(args.faiss).check_params(args.faiss_params)
+        except ValueError as error:
+            raise UserError(f"--faiss-params with --faiss {args.faiss}: {error}") from None
     try:
         device = resolve_device(args.device)
         check_precision(args.precision, device)
     except ValueError as error:
-        return f"--device/--precision: {error}"
+        raise UserError(f"--device/--precision: {error}") from None
     try:
         check_processes(args.processes, device)
     except ValueError as error:
-        return f"--{error}"  # its messages start with "processes"
-    return None
+        raise UserError(f"--{error}") from None  # its messages start with "processes"
 
 
 def load_data(args: argparse.Namespace) -> tuple[BeirDataset, Evaluation | None, dict[str, list[str]] | None]:
@@ -223,19 +267,28 @@ def load_data(args: argparse.Namespace) -> tuple[BeirDataset, Evaluation | None,
 
 
 def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
-    problem = check_arguments(args)
-    if problem:
-        print(f"evaluate.py: error: {problem}", file=sys.stderr)
+    """``evaluate.py`` with ``argv``; -> the exit status. A user error (see the module docstring) is one line on
+    stderr and status 2; ``HIL_DEBUG=1`` raises it with its traceback instead."""
+    try:
+        return run(argv)
+    except Exception as error:
+        shown = None if os.environ.get(DEBUG_ENV) else user_error(error)
+        if shown is None:
+            raise
+        print(f"{PROG}: error: {one_line(shown)}", file=sys.stderr)
         return 2
+
+
+def run(argv: list[str]) -> int:
+    """Evaluate as ``argv`` asks and write the results; user errors are raised (``main`` prints them)."""
+    args = build_parser().parse_args(argv)
+    check_arguments(args)
+    if args.quiet:  # transformers' own bars too ("Loading weights"), so that stderr holds only what went wrong
+        transformers_logging.disable_progress_bar()
     if args.threads:
         torch.set_num_threads(args.threads)
         faiss.omp_set_num_threads(args.threads)
-    try:
-        dataset, first, candidates = load_data(args)
-    except (DataFormatError, FileNotFoundError) as error:  # a bad or missing data or run file: one line
-        print(f"evaluate.py: error: {error}", file=sys.stderr)
-        return 2
+    dataset, first, candidates = load_data(args)
     evaluations: list[Evaluation] = [first] if first is not None else []
     models: dict[str, Any] = {}
     bm25 = None

@@ -27,6 +27,7 @@ import torch
 
 from hil.data.beir import BeirDataset
 from hil.data.bm25 import bm25_run
+from hil.data.errors import UserError
 from hil.evaluation.metrics import DEFAULT_METRICS, evaluate_run
 from hil.evaluation.runs import candidates_from_run, read_trec_run, run_depth
 from hil.modeling.contracts import EncodedBatch, Encoder
@@ -35,6 +36,7 @@ from hil.retrieval.corpus_encoding import check_processes
 from hil.retrieval.devices import PRECISIONS, autocast, check_precision, faiss_gpu_for, resolve_device
 from hil.retrieval.encoding import encode_document_tokens, eval_mode
 from hil.retrieval.index import TokenIndex, encoder_fingerprint
+from hil.retrieval.integrity import check_verify
 from hil.retrieval.search import SearchResult, exact_rank, exhaustive_scores, full_rank, rank_matrix, rerank
 from hil.retrieval.store import TokenStore
 
@@ -71,6 +73,9 @@ class EvaluationSettings:
             the index is the same as a one-process build's.
         faiss_gpu: FAISS on the GPU (True), on the CPU (False), or on the encoder's GPU where faiss-gpu sees
             it (None).
+        verify_index: how much of a reused index is checked against the sizes and checksums it recorded:
+            ``auto`` (checksums up to 1 GiB of files, sizes above), ``sizes`` or ``full``
+            (:mod:`hil.retrieval.integrity`); a damaged index is rebuilt, with a warning.
     """
 
     mode: str = "full"
@@ -92,19 +97,22 @@ class EvaluationSettings:
     precision: str = "fp32"
     processes: int = 1
     faiss_gpu: bool | None = None
+    verify_index: str = "auto"
 
     def __post_init__(self) -> None:
+        check_verify(self.verify_index)
         if self.precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {PRECISIONS} (got {self.precision!r})")
+            raise UserError(f"precision must be one of {PRECISIONS} (got {self.precision!r})")
         if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES} (got {self.mode!r})")
+            raise UserError(f"mode must be one of {MODES} (got {self.mode!r})")
         if self.mode == "full" and self.index_root is None:
-            raise ValueError("full ranking searches an index: give index_root")
+            raise UserError("full ranking searches an index: give index_root")
         if self.keep_head_scores and self.mode != "exhaustive":
-            raise ValueError("keep_head_scores needs mode='exhaustive' (dense score matrices)")
-        for name in ("k", "rerank_depth", "batch_size", "query_batch_size", "processes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
+            raise UserError("keep_head_scores needs mode='exhaustive' (dense score matrices)")
+        for name in ("k", "rerank_depth", "batch_size", "query_batch_size", "processes", "ncandidates"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise UserError(f"{name} must be >= 1 (got {value})")
 
 
 @dataclass
@@ -224,7 +232,8 @@ def document_store(encoder: Encoder, dataset: BeirDataset, settings: EvaluationS
                                index_dir(settings.index_root, dataset, encoder, settings.document_encoding),
                                batch_size=settings.batch_size, faiss_kind=settings.backend,
                                faiss_params=dict(settings.backend_params or {}),
-                               corpus_fingerprint=dataset.fingerprint(), progress=settings.progress, **quantize)
+                               corpus_fingerprint=dataset.fingerprint(), progress=settings.progress,
+                               verify=settings.verify_index, **quantize)
 
 
 def _search(encoder: Encoder, dataset: BeirDataset, store: TokenStore | None, settings: EvaluationSettings,
@@ -264,7 +273,7 @@ def evaluate(encoder: Encoder, dataset: BeirDataset, settings: EvaluationSetting
     index is built or reused, or the corpus encoded in memory). ``name`` defaults to ``<architecture>-<mode>``.
     """
     if settings.mode == "rerank" and candidates is None:
-        raise ValueError("mode='rerank' needs candidates (e.g. first_stage(evaluate_bm25(dataset), depth))")
+        raise UserError("mode='rerank' needs candidates (e.g. first_stage(evaluate_bm25(dataset), depth))")
     device = place_encoder(encoder, settings)
     started = time.perf_counter()
     if store is None and not (settings.mode == "rerank" and settings.index_root is None):
@@ -299,7 +308,7 @@ def evaluate_transformed(encoder: Encoder, dataset: BeirDataset, spec: str,
     from hil.retrieval.transformed import fit_transformed_encoder, open_or_derive_index
 
     if settings.index_root is None:
-        raise ValueError("a post-hoc transform is fitted on an index's stored vectors: give index_root")
+        raise UserError("a post-hoc transform is fitted on an index's stored vectors: give index_root")
     base = document_store(encoder, dataset, replace(settings, document_encoding=None))
     started = time.perf_counter()
     transformed = fit_transformed_encoder(encoder, spec, store=base, mode=transform_mode, max_tokens=max_tokens,
@@ -307,7 +316,7 @@ def evaluate_transformed(encoder: Encoder, dataset: BeirDataset, spec: str,
     fit_seconds = time.perf_counter() - started
     derived = open_or_derive_index(base, transformed, index_dir(settings.index_root, dataset, transformed),
                                    faiss_kind=settings.backend, faiss_params=dict(settings.backend_params or {}),
-                                   progress=settings.progress)
+                                   progress=settings.progress, verify=settings.verify_index)
     evaluation = evaluate(transformed, dataset, settings, candidates=candidates, store=derived,
                           name=name or run_name(f"{encoder.architecture}+{spec}-{transform_mode}-{settings.mode}"))
     evaluation.details["transform"] = {**transformed.transform_settings(), "fit_seconds": round(fit_seconds, 3),

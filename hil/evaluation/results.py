@@ -3,6 +3,11 @@
 ``evaluation_statistics`` gives bootstrap intervals per run and paired tests between runs (``hil.evaluation.
 statistics``) and the BM25-Easy split; ``write_results`` records them with the settings, versions and fingerprints
 that made them (DESIGN: settings travel with artifacts).
+
+Results files are written whole and by one process at a time: every file goes through a temporary name and a rename
+(:func:`hil.provenance.atomic_output`), ``metrics.json`` last, all under the folder's lock file
+(:data:`RESULTS_LOCK`, :func:`hil.provenance.file_lock`), so two evaluations writing the same folder at once leave
+the complete files of one of them, never a mix within a file, and a killed writer leaves the previous files.
 """
 
 from __future__ import annotations
@@ -19,7 +24,9 @@ from hil.evaluation.metrics import DEFAULT_METRICS
 from hil.evaluation.runs import write_trec_run
 from hil.evaluation.statistics import (bm25_easy_split, bootstrap_ci, paired_bootstrap_test, paired_permutation_test,
                                        paired_t_test)
-from hil.provenance import provenance, write_json_atomic
+from hil.provenance import file_lock, provenance, write_json_atomic
+
+RESULTS_LOCK = ".hil-results.lock"  # inside the results folder (which is never replaced as a whole)
 
 
 def evaluation_statistics(evaluations: Sequence[Evaluation], *, metrics: Sequence[str] = ("ndcg@10",),
@@ -123,12 +130,10 @@ def write_results(directory: str | Path, dataset: BeirDataset, evaluations: list
                   settings: dict[str, Any], models: dict[str, Any],
                   statistics: dict[str, Any] | None = None) -> Path:
     """``metrics.json`` (settings, versions, dataset/model fingerprints, aggregates, optional statistics),
-    per-query JSON, TREC runs."""
+    per-query JSON, TREC runs; each file atomically, ``metrics.json`` last, under the folder's lock (module
+    docstring)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    for evaluation in evaluations:
-        write_trec_run(directory / f"{evaluation.name}.trec", evaluation.run, tag=evaluation.name)
-    write_json_atomic(directory / "per_query.json", {e.name: e.per_query for e in evaluations})
     record = provenance(settings,
                         dataset=dataset_record(dataset),
                         models=models,
@@ -136,7 +141,11 @@ def write_results(directory: str | Path, dataset: BeirDataset, evaluations: list
                                           **{k: v for k, v in e.details.items() if k != "sources"}}
                                  for e in evaluations},
                         **({"statistics": statistics} if statistics is not None else {}))
-    write_json_atomic(directory / "metrics.json", record)
+    with file_lock(directory / RESULTS_LOCK, what="writing results"):
+        for evaluation in evaluations:
+            write_trec_run(directory / f"{evaluation.name}.trec", evaluation.run, tag=evaluation.name)
+        write_json_atomic(directory / "per_query.json", {e.name: e.per_query for e in evaluations})
+        write_json_atomic(directory / "metrics.json", record)  # last: complete results are those it names
     return directory / "metrics.json"
 
 

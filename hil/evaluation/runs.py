@@ -21,8 +21,8 @@ import os
 from pathlib import Path
 from typing import Container, Mapping
 
-from hil.data.beir import iter_text_lines
-from hil.data.errors import DataFormatError
+from hil.data.beir_files import iter_text_lines
+from hil.data.errors import DataFormatError, MissingInputError, UserError
 from hil.provenance import atomic_output
 
 Run = dict[str, dict[str, float]]
@@ -39,7 +39,7 @@ def ranked(doc_scores: Mapping[str, float], k: int | None = None) -> list[tuple[
     if k is None or k >= len(items):
         return sorted(items, key=_trec_key, reverse=True)
     if k < 0:
-        raise ValueError(f"k must be >= 0, got {k}")
+        raise UserError(f"k must be >= 0, got {k}")
     # nlargest is O(n log k): cheap for k=10 on 1000-document lists.
     return heapq.nlargest(k, items, key=_trec_key)
 
@@ -47,7 +47,7 @@ def ranked(doc_scores: Mapping[str, float], k: int | None = None) -> list[tuple[
 def top_k(run: Mapping[str, Mapping[str, float]], k: int) -> Run:
     """Each query's best ``k`` documents (trec_eval order, ties by docid desc), as a new run in ranked order."""
     if k < 0:
-        raise ValueError(f"k must be >= 0, got {k}")
+        raise UserError(f"k must be >= 0, got {k}")
     return {str(qid): dict(ranked(docs, k)) for qid, docs in run.items()}
 
 
@@ -88,11 +88,12 @@ def read_trec_run(path: str | os.PathLike, queries: Container[str] | None = None
     without six fields, a score that is not a number (or is NaN), a document listed twice for the same query, and,
     when ``queries`` / ``documents`` are given, a query id or document id not among them (a run of another dataset:
     a re-ranker cannot score a document it has no text for) raise :class:`~hil.data.errors.DataFormatError` (a
-    ``ValueError``) naming the file and line; a missing file raises ``FileNotFoundError`` naming it.
+    ``ValueError``) naming the file and line; a missing file raises :class:`~hil.data.errors.MissingInputError` (a
+    ``FileNotFoundError``) naming it.
     """
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such run file")
+        raise MissingInputError(f"{path}: no such run file")
     run: Run = {}
     for line_no, line in iter_text_lines(path):
         fields = line.split()
@@ -121,7 +122,7 @@ def candidates_from_run(run: Mapping[str, Mapping[str, float]], depth: int | Non
     """Each query's best ``depth`` documents (all when None), best first in trec_eval's order: what a re-ranker
     scores. Queries without documents are left out."""
     if depth is not None and depth < 1:
-        raise ValueError(f"depth must be >= 1, got {depth}")
+        raise UserError(f"depth must be >= 1, got {depth}")
     return {str(qid): [docid for docid, _ in ranked(docs, depth)] for qid, docs in run.items() if docs}
 
 

@@ -47,7 +47,7 @@ import torch
 from transformers.utils import logging as transformers_logging
 
 from hil.data.beir import BeirDataset, load_beir
-from hil.data.errors import DataFormatError
+from hil.data.errors import DEBUG_ENV, DataFormatError, UserError, one_line, user_error
 from hil.evaluation.evaluate import (MODES, Evaluation, EvaluationSettings, evaluate, evaluate_bm25, evaluate_run_file,
                                      run_name, subset_with_first_stage)
 from hil.evaluation.results import dataset_record
@@ -63,13 +63,8 @@ from hil.retrieval.devices import PRECISIONS, check_precision, resolve_device
 from hil.retrieval.index import encoder_fingerprint
 
 PROG = "python -m hil.experiments.beir"
-DEBUG_ENV = "HIL_DEBUG"  # as for train.py and evaluate.py (hil.cli): keep tracebacks
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 EXPORT_FOLDER_NAMES = ("export",)  # train.py --export_dir folders: the column is named after their parent
-
-
-class UserError(Exception):
-    """Something the user can fix: one line on stderr, exit status 2."""
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -423,11 +418,11 @@ def main(argv: list[str] | None = None) -> int:
         transformers_logging.disable_progress_bar()
     try:
         return run(args)
-    except UserError as error:
-        if os.environ.get(DEBUG_ENV):
+    except Exception as error:  # a UserError (or a refused value raised in hil: hil.data.errors.user_error)
+        shown = None if os.environ.get(DEBUG_ENV) else user_error(error)
+        if shown is None:
             raise
-        message = " ".join(str(error).split())  # one line, whatever the message held
-        print(f"{PROG}: error: {message}", file=sys.stderr)
+        print(f"{PROG}: error: {' '.join(one_line(shown).split())}", file=sys.stderr)
         return 2
 
 

@@ -38,13 +38,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Collection
 
 import numpy as np
 import torch
 
 from hil.analysis.overlap import overlap_shares
 from hil.data.beir import BeirDataset
+from hil.data.errors import DEBUG_ENV, UserError, one_line, user_error
 from hil.evaluation.evaluate import Evaluation, EvaluationSettings, evaluate, evaluate_bm25, first_stage, score_run
 from hil.evaluation.runs import write_trec_run
 from hil.experiments.profiles import (CORPUS_IDF, DATASETS, DEFAULT_VARIANTS, ENSEMBLES, PROFILES, REPO_CONFIGS,
@@ -398,15 +399,42 @@ def publish(out: Path, target: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command; -> its exit status: 2 and one line for a user error (an option, a variant or dataset name, a
+    folder without results: ``hil.data.errors.user_error``), 1 and one line naming the log when a stage failed
+    (:class:`ExperimentError`); ``HIL_DEBUG=1`` keeps the traceback."""
+    try:
+        return run_command(argv)
+    except Exception as error:
+        if os.environ.get(DEBUG_ENV):
+            raise
+        shown = error if isinstance(error, ExperimentError) else user_error(error)
+        if shown is None:
+            raise
+        print(f"error: {one_line(shown)}", file=sys.stderr)
+        return 1 if isinstance(shown, ExperimentError) else 2
+
+
+def names(option: str, text: str | None, known: Collection[str]) -> list[str] | None:
+    """The comma-separated names of ``option`` (None when not given), each one of ``known``."""
+    if not text:
+        return None
+    given = [name for name in text.split(",") if name]
+    unknown = [name for name in given if name not in known]
+    if unknown:
+        raise UserError(f"{option}: unknown {', '.join(map(repr, unknown))} (known: {', '.join(known)})")
+    return given
+
+
+def run_command(argv: list[str] | None) -> int:
     from dataclasses import replace
 
     args = build_parser().parse_args(argv)
     profile = PROFILES[args.profile]
     if args.max_steps is not None:
         if args.max_steps < 1:
-            print("error: --max-steps must be at least 1", file=sys.stderr)
-            return 2
+            raise UserError(f"--max-steps must be at least 1 (got {args.max_steps})")
         profile = replace(profile, max_steps=args.max_steps)
+    variants, datasets = names("--variants", args.variants, VARIANTS), names("--datasets", args.datasets, DATASETS)
     profile = replace(profile, configs=Path(args.configs))
     overrides = {k: v for k, v in (("device", args.device), ("precision", args.precision)) if v is not None}
     if overrides:
@@ -414,25 +442,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_precision(profile.precision, resolve_device(profile.device))
     except ValueError as error:
-        print(f"error: --device/--precision: {error}", file=sys.stderr)
-        return 2
+        raise UserError(f"--device/--precision: {error}") from None
     out = Path(args.out or Path("results") / profile.name)
     command = "python -m hil.experiments.paper " + " ".join(argv if argv is not None else sys.argv[1:])
-    try:
-        if args.report_only:
-            recorded = out / "profile.json"  # the command that ran the experiment, not this rewrite
-            if recorded.is_file():
-                command = json.loads(recorded.read_text()).get("command") or command
-            print(write_outputs(out, profile, command=command))
-        else:
-            split: Callable[[str | None], list[str] | None] = lambda s: [x for x in s.split(",") if x] if s else None  # noqa: E731
-            run_profile(profile, out, variants=split(args.variants),
-                        datasets=split(args.datasets), force=args.force, command=command)
-        if args.publish:
-            log(f"published {publish(out, Path(args.publish))}")
-    except (ExperimentError, FileNotFoundError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
+    if args.report_only:
+        recorded = out / "profile.json"  # the command that ran the experiment, not this rewrite
+        if recorded.is_file():
+            command = json.loads(recorded.read_text()).get("command") or command
+        print(write_outputs(out, profile, command=command))
+    else:
+        run_profile(profile, out, variants=variants, datasets=datasets, force=args.force, command=command)
+    if args.publish:
+        log(f"published {publish(out, Path(args.publish))}")
     return 0
 
 

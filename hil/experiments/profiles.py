@@ -24,7 +24,9 @@ from typing import Any
 
 import yaml
 
-REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+from hil.paths import CONFIGS_DIR
+
+REPO_CONFIGS = CONFIGS_DIR  # hil/configs (configs/ at the repository root links to it)
 BASE_CONFIG = "colbert.yaml"
 
 # name -> (delta file(s) under configs/variants, stacked in order, or None for the base config itself; label)

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from transformers import AutoModel, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
+from hil.data.errors import UserError
 from hil.data.idf import IDFTable
 from hil.data.tokenization import DOC_MARKER, QUERY_MARKER, ColBERTTokenizer, TokenizedBatch
 from hil.modeling.contracts import EncodedBatch, Encoder
@@ -78,13 +79,21 @@ def load_backbone(name_or_path: str) -> tuple[PreTrainedModel, PreTrainedTokeniz
         try:
             tokenizer = AutoTokenizer.from_pretrained(source)
         except OSError as error:
-            raise FileNotFoundError(
+            raise UserError(
                 f"cannot load a tokenizer from {name_or_path!r}: not a local model directory, not reachable on the "
                 f"Hugging Face hub, and not found under HIL_MODELS_DIR ({error.__class__.__name__})") from None
         try:
-            model = AutoModel.from_pretrained(source, add_pooling_layer=False)
+            model, info = AutoModel.from_pretrained(source, add_pooling_layer=False, output_loading_info=True)
         except TypeError:  # architectures without a pooler flag
-            model = AutoModel.from_pretrained(source)
+            model, info = AutoModel.from_pretrained(source, output_loading_info=True)
+        except (OSError, ValueError) as error:
+            raise UserError(f"cannot load a backbone from {name_or_path!r}: "
+                            f"{str(error).splitlines()[0] if str(error) else error.__class__.__name__}") from None
+    # transformers fills weights it did not find with random values; a backbone is never partly random here.
+    missing = sorted(info.get("missing_keys", ()))
+    if missing:
+        raise UserError(f"{name_or_path}: the backbone's weights lack {len(missing)} tensors ({missing[:3]}...); "
+                        f"transformers would initialize them at random")
     return model, tokenizer
 
 
@@ -202,12 +211,18 @@ class ColBERTEncoder(MultiVectorEncoder):
     def __init__(self, backbone: str = "bert-base-uncased", dim: int = 128, query_maxlen: int = 32,
                  doc_maxlen: int = 180, query_marker: str = QUERY_MARKER, doc_marker: str = DOC_MARKER,
                  mask_punctuation: bool = True, attend_to_mask_tokens: bool = False, head_init: HeadInit = "bert",
+                 projection_bias: bool = False,
                  _loaded: tuple[PreTrainedModel, PreTrainedTokenizerBase] | None = None):
         super().__init__(backbone, dim=dim, query_maxlen=query_maxlen, doc_maxlen=doc_maxlen,
                          query_marker=query_marker, doc_marker=doc_marker, mask_punctuation=mask_punctuation,
                          attend_to_mask_tokens=attend_to_mask_tokens, head_init=head_init, _loaded=_loaded)
-        self.linear = nn.Linear(self.hidden_size, self.dim, bias=False)
+        # ColBERT v1/v2 project without a bias; a PyLate Dense layer may carry one (``bias=True``), kept when loaded.
+        self.projection_bias = bool(projection_bias)
+        self.linear = nn.Linear(self.hidden_size, self.dim, bias=self.projection_bias)
         self.init_heads(self.linear)
+
+    def extra_settings(self) -> dict[str, Any]:
+        return {"projection_bias": True} if self.projection_bias else {}
 
     def hidden_states(self, batch: TokenizedBatch) -> Tensor:
         return self.backbone(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state

@@ -18,6 +18,7 @@ callables); reseeding and the non-finite guard are callbacks (``hil.modeling.cal
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -27,14 +28,44 @@ from pytorch_lightning.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor
 
 from hil.data.datamodule import TriplesDataModule
+from hil.data.errors import UserError, one_line
 from hil.isotropy.regularizers import Regularizer
-from hil.modeling.encoder import CONFIG_NAME, MultiVectorEncoder
-from hil.modeling.loading import load_encoder
+from hil.modeling.encoder import MultiVectorEncoder
+from hil.modeling.export import export_model
+from hil.modeling.formats import ModelFormatError
+from hil.modeling.initial_weights import initial_state
 from hil.modeling.losses import PairwiseCE, TrainingLoss, TripleBatch
 from hil.provenance import provenance
 
 # Parameters that take no weight decay when the optimizer has one (BERT's convention).
 NO_DECAY_SUFFIXES = ("bias", "LayerNorm.weight", "layer_norm.weight")
+# Optimizer settings every torch optimizer that takes them wants finite and >= 0.
+NON_NEGATIVE_OPTIMIZER_SETTINGS = ("lr", "eps", "weight_decay", "momentum")
+OPTIMIZER_KEY = "model.optimizer.init_args"
+
+
+def parameter_groups(decay: list[Tensor], no_decay: list[Tensor]) -> list[dict[str, Any]]:
+    """What the optimizer is built from: biases and LayerNorm weights without weight decay."""
+    return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def check_optimizer(optimizer: OptimizerCallable) -> None:
+    """Refuse, naming the config key, optimizer settings that torch would only refuse when training starts, with a
+    traceback (``torch.optim``'s ``ValueError: Invalid learning rate``): the common ones by name, then any other by
+    building the optimizer once over stand-in parameters."""
+    settings = getattr(optimizer, "keywords", None) or {}  # jsonargparse gives a functools.partial of the class
+    for name, value in settings.items():
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if name in NON_NEGATIVE_OPTIMIZER_SETTINGS and value is not None and number and not (
+                math.isfinite(value) and value >= 0):
+            raise UserError(f"{OPTIMIZER_KEY}.{name} must be a finite number >= 0 (got {value!r})")
+        if name == "betas" and isinstance(value, (tuple, list)) and not (
+                len(value) == 2 and all(isinstance(beta, (int, float)) and 0 <= beta < 1 for beta in value)):
+            raise UserError(f"{OPTIMIZER_KEY}.betas must be two numbers in [0, 1) (got {list(value)!r})")
+    try:
+        optimizer(parameter_groups([torch.nn.Parameter(torch.zeros(1))], [torch.nn.Parameter(torch.zeros(1))]))
+    except (ValueError, TypeError, RuntimeError) as error:  # the optimizer's own checks of the other settings
+        raise UserError(f"{OPTIMIZER_KEY}: {one_line(error)}") from None
 
 
 class LinearWarmup(torch.optim.lr_scheduler.LambdaLR):
@@ -88,6 +119,7 @@ class RetrieverModule(pl.LightningModule):
                 raise ValueError(f"model.regularizer applies to a one-head encoder; {encoder.architecture} has heads "
                                  f"{list(encoder.head_names)} (ColBERT-HIL regularizes through its loss)")
             regularizer.bind(encoder.dim)
+        check_optimizer(optimizer)
         self.optimizer_factory = optimizer
         self.scheduler_factory = lr_scheduler
         self.loss_parts: dict[str, Tensor] = {}  # the last step's parts (the non-finite guard reports them)
@@ -139,7 +171,7 @@ class RetrieverModule(pl.LightningModule):
         for name, param in self.named_parameters():
             if param.requires_grad:
                 (no_decay if name.endswith(NO_DECAY_SUFFIXES) else decay).append(param)
-        optimizer = self.optimizer_factory([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}])
+        optimizer = self.optimizer_factory(parameter_groups(decay, no_decay))
         if self.scheduler_factory is None:
             return {"optimizer": optimizer}
         return {"optimizer": optimizer,
@@ -147,24 +179,16 @@ class RetrieverModule(pl.LightningModule):
 
     # -- init / export --------------------------------------------------------------------------------------------
     def load_initial_weights(self, source: str | None) -> None:
-        """Apply ``init_from``: a ``.ckpt`` (its encoder's weights) or an export directory (its encoder)."""
+        """Apply ``init_from`` (``hil.modeling.initial_weights``): a ``.ckpt``, an export, a Stanford ColBERT or a
+        PyLate checkpoint."""
         if not source:
             return
-        path = Path(source)
-        if path.is_dir():
-            if not (path / CONFIG_NAME).is_file():
-                raise FileNotFoundError(f"model.init_from={source}: directory has no {CONFIG_NAME} (not an export)")
-            state = load_encoder(path).state_dict()
-        elif path.is_file():
-            checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-            state = {k.removeprefix("encoder."): v for k, v in checkpoint["state_dict"].items()
-                     if k.startswith("encoder.")}
-        else:
-            raise FileNotFoundError(f"model.init_from={source}: no such checkpoint file or export directory")
+        state, may_stay = initial_state(self.encoder, source)
         missing, unexpected = self.encoder.load_state_dict(state, strict=False)
+        missing = [key for key in missing if key not in may_stay]
         if missing or unexpected:
-            raise ValueError(f"model.init_from={source}: weights do not fit this model "
-                             f"(missing {missing[:5]}, unexpected {unexpected[:5]}); check backbone/dim")
+            raise ModelFormatError(f"model.init_from={source}: weights do not fit this model "
+                                   f"(missing {missing[:5]}, unexpected {unexpected[:5]}); check backbone/dim")
 
     def training_record(self) -> dict[str, Any]:
         """How this model is trained: loss, regularizer, optimizer and schedule settings."""
@@ -176,8 +200,10 @@ class RetrieverModule(pl.LightningModule):
         checkpoint["hil"] = provenance(self.encoder.settings(), training=self.training_record(),
                                        module_class=f"{type(self).__module__}.{type(self).__qualname__}")
 
-    def export(self, directory: str | Path) -> Path:
-        """An export directory: ``from_pretrained``-loadable backbone + heads + ``hil_config.json``."""
-        return self.encoder.save_pretrained(directory, extra={
+    def export(self, directory: str | Path, data: dict[str, Any] | None = None) -> Path:
+        """An export folder (``hil.modeling.export``): our layout, and the Stanford ColBERT layout for a ColBERT.
+        ``data``: the training data settings, recorded for the model card."""
+        return export_model(self.encoder, directory, extra={
             "training": self.training_record(), "global_step": int(self.global_step),
-            "module_class": f"{type(self).__module__}.{type(self).__qualname__}"})
+            "module_class": f"{type(self).__module__}.{type(self).__qualname__}",
+            **({"data": data} if data is not None else {})})

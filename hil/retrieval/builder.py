@@ -1,12 +1,23 @@
 """Building a token index: encode the corpus (resumably), write its search structures, reuse what still matches.
 
 Building never leaves a half index behind: everything is written into ``<dir>.tmp-build`` (the corpus encoded in
-chunks there first: :mod:`hil.retrieval.chunks`), ``index.json`` last, and the folder is renamed to ``<dir>``
-only when complete. The search structures (FAISS files, PLAID centroids) are written by the back-end of the
-chosen ``faiss_kind`` (:mod:`hil.retrieval.backends`); changing only them rewrites them in place
+chunks there first: :mod:`hil.retrieval.chunks`), ``index.json`` last (with every other file's size and checksum:
+:func:`~hil.retrieval.index.seal_index`), and the folder is renamed to ``<dir>`` only when complete. A process
+killed at any point (SIGKILL included) leaves ``<dir>`` as it was; the rerun reuses the finished chunks and writes
+the same index as an uninterrupted build. The search structures (FAISS files, PLAID centroids) are written by the
+back-end of the chosen ``faiss_kind`` (:mod:`hil.retrieval.backends`); changing only them rewrites them in place
 (:func:`rebuild_faiss`) without encoding the corpus again. The corpus is encoded on the encoder's device, in one
 process or several (:mod:`hil.retrieval.corpus_encoding`), in the precision asked (recorded; an index encoded in
 another precision is rebuilt by :func:`open_or_build_index`).
+
+One writer at a time: :func:`build_index`, :func:`rebuild_faiss` and :func:`open_or_build_index` hold the lock file
+``<dir>.lock`` (:func:`hil.provenance.file_lock`; the kernel releases it when its holder dies). A second process
+building the same index waits, with one log line naming the holder, then finds the finished index
+(:func:`open_or_build_index` opens it; :func:`build_index` refuses it without ``overwrite``).
+
+:func:`open_or_build_index` treats its folder as a cache: an index found damaged
+(:class:`~hil.retrieval.integrity.IndexIntegrityError`) or written before indexes recorded their files' checksums
+is rebuilt, with a warning that says why; :meth:`~hil.retrieval.index.TokenIndex.load` refuses a damaged index.
 """
 
 from __future__ import annotations
@@ -23,16 +34,17 @@ import numpy as np
 import torch
 
 from hil.modeling.contracts import Encoder
-from hil.provenance import provenance, write_json_atomic
+from hil.provenance import file_lock, lock_path, provenance, replace_directory, write_json_atomic
 from hil.retrieval.backends.registry import BACKENDS, backend_class
-from hil.retrieval.chunks import collect_chunks, join_chunks
+from hil.retrieval.chunks import collect_chunks, join_chunks, kill_if_asked
 from hil.retrieval.codec import CompressedEmbeddings
 from hil.retrieval.corpus_encoding import CorpusEncoding, check_processes, encode_corpus
 from hil.retrieval.devices import check_precision
 from hil.retrieval.fast_encode import DOCUMENT_ENCODINGS, document_encoding_key
 from hil.retrieval.index import (DOC_IDS_JSON, INDEX_FORMAT, INDEX_FORMAT_VERSION, INDEX_JSON, IndexMismatchError,
                                  TokenIndex, embeddings_path, encoder_fingerprint, fingerprint_corpus,
-                                 json_normalized, plaid_paths, unfinished_build_dir)
+                                 json_normalized, plaid_paths, seal_index, unfinished_build_dir)
+from hil.retrieval.integrity import IndexIntegrityError, check_verify
 from hil.retrieval.store import TokenTable
 
 logger = logging.getLogger(__name__)
@@ -86,11 +98,15 @@ def write_search_files(directory: Path, embeddings: dict[str, TokenTable], kind:
 
 def rebuild_faiss(index: TokenIndex, faiss_kind: str, faiss_params: dict[str, Any] | None = None, *,
                   use_gpu: bool = False, progress: bool = True, gpu_device: int = 0) -> TokenIndex:
-    """Replace the search structures of a finished index (the vectors stay), updating ``index.json``."""
-    settings = write_search_files(index.directory, index.embeddings, faiss_kind, faiss_params, use_gpu, progress,
-                                  gpu_device)
-    write_json_atomic(index.directory / INDEX_JSON, dict(index.meta, faiss=settings))
-    return TokenIndex.load(index.directory, mmap=index.memory_mapped)
+    """Replace the search structures of a finished index (the vectors stay), updating ``index.json`` and its file
+    records. In place, under the index's lock: a process killed meanwhile leaves files that disagree with
+    ``index.json``, which the next open reports (and :func:`open_or_build_index` rebuilds)."""
+    with file_lock(lock_path(index.directory), what="rebuilding its search structures"):
+        settings = write_search_files(index.directory, index.embeddings, faiss_kind, faiss_params, use_gpu,
+                                      progress, gpu_device)
+        seal_index(index.directory, dict(index.meta, faiss=settings))
+        # The checksums were just computed from these very files: the sizes say they are the ones recorded.
+        return TokenIndex.load(index.directory, mmap=index.memory_mapped, verify="sizes")
 
 
 # -- building ---------------------------------------------------------------------------------------------------
@@ -109,15 +125,20 @@ def _check_corpus(doc_ids: Sequence[str], texts: Sequence[str]) -> None:
         raise TypeError(f"build_index: texts must be strings; positions {bad} are not")
 
 
-def _check_request(heads: Sequence[str], directory: Path, batch_size: int, chunk_docs: int, faiss_kind: str,
-                   faiss_params: dict[str, Any] | None, overwrite: bool) -> None:
-    """Refuse a build that cannot succeed or would destroy something, before any work is done."""
+def _check_request(heads: Sequence[str], batch_size: int, chunk_docs: int, faiss_kind: str,
+                   faiss_params: dict[str, Any] | None) -> None:
+    """Refuse a build that cannot succeed, before any work is done."""
     if batch_size < 1 or chunk_docs < 1:
         raise ValueError(f"batch_size and chunk_docs must be >= 1 (got {batch_size}, {chunk_docs})")
     for head in heads:
         if not _HEAD_NAME.match(head):
             raise ValueError(f"head name {head!r} cannot be a file name part (letters, digits, _ and - only)")
     backend_class(faiss_kind).check_params(faiss_params)
+
+
+def _check_target(directory: Path, overwrite: bool) -> None:
+    """Refuse a build that would destroy something (checked under the index's lock: another process may just
+    have finished the same index)."""
     if directory.exists() and not overwrite:
         raise FileExistsError(f"{directory} exists; pass overwrite=True to replace it, or use open_or_build_index")
     if directory.exists() and not (directory / INDEX_JSON).is_file() and any(directory.iterdir()):
@@ -150,19 +171,6 @@ def _start_build_dir(directory: Path) -> Path:
         if leftover.name != CHUNKS_DIR:
             shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
     return build
-
-
-def _move_into_place(build: Path, directory: Path) -> None:
-    """Rename the finished ``build`` folder to ``directory``; an existing one is swapped out, then removed."""
-    if not directory.exists():
-        os.replace(build, directory)
-        return
-    old = directory.with_name(directory.name + ".old")
-    if old.exists():
-        shutil.rmtree(old)
-    os.replace(directory, old)
-    os.replace(build, directory)
-    shutil.rmtree(old)
 
 
 def build_index(encoder: Encoder, doc_ids: Sequence[str], texts: Sequence[str], directory: str | os.PathLike, *,
@@ -200,41 +208,47 @@ def build_index(encoder: Encoder, doc_ids: Sequence[str], texts: Sequence[str], 
     _check_corpus(doc_ids, texts)
     directory = Path(directory)
     heads = tuple(encoder.head_names)
-    _check_request(heads, directory, batch_size, chunk_docs, faiss_kind, faiss_params, overwrite)
+    _check_request(heads, batch_size, chunk_docs, faiss_kind, faiss_params)
     device = torch.device(encoder.device)
     _check_encoding(device, processes, precision, quantize)
     corpus_fp = corpus_fingerprint or fingerprint_corpus(doc_ids, texts)
     encoder_fp = encoder_fingerprint(encoder)
     settings = json_normalized(encoder.settings())
+    with file_lock(lock_path(directory), what=f"building {directory.name}"):
+        _check_target(directory, overwrite)
+        build = _start_build_dir(directory)
+        job = CorpusEncoding(encoder, texts, build / CHUNKS_DIR,
+                             identity={"settings": settings, "encoder_fingerprint": encoder_fp,
+                                       "corpus_fingerprint": corpus_fp, "encoding_precision": precision},
+                             chunk_docs=chunk_docs, batch_size=batch_size, quantize=quantize,
+                             calibration_texts=_calibration_texts(texts, calibration_docs), precision=precision,
+                             progress=progress, description=f"encoding {directory.name}")
+        identity = encode_corpus(job, processes)
+        metas = collect_chunks(build / CHUNKS_DIR, len(texts), chunk_docs, heads, identity)
+        n_tokens = join_chunks(build / CHUNKS_DIR, build, heads, metas)
+        write_json_atomic(build / DOC_IDS_JSON, list(doc_ids))
+        kill_if_asked("joined")
 
-    build = _start_build_dir(directory)
-    job = CorpusEncoding(encoder, texts, build / CHUNKS_DIR,
-                         identity={"settings": settings, "encoder_fingerprint": encoder_fp,
-                                   "corpus_fingerprint": corpus_fp, "encoding_precision": precision},
-                         chunk_docs=chunk_docs, batch_size=batch_size, quantize=quantize,
-                         calibration_texts=_calibration_texts(texts, calibration_docs), precision=precision,
-                         progress=progress, description=f"encoding {directory.name}")
-    identity = encode_corpus(job, processes)
-    metas = collect_chunks(build / CHUNKS_DIR, len(texts), chunk_docs, heads, identity)
-    n_tokens = join_chunks(build / CHUNKS_DIR, build, heads, metas)
-    write_json_atomic(build / DOC_IDS_JSON, list(doc_ids))
-
-    embeddings = {head: np.load(embeddings_path(build, head), mmap_mode="r") for head in heads}
-    faiss_settings = write_search_files(build, embeddings, faiss_kind, faiss_params, use_gpu, progress, gpu_device)
-    del embeddings
-    shutil.rmtree(build / CHUNKS_DIR)
-    dims = metas[0]["dims"]
-    document_encoding = identity["document_encoding"]
-    meta = provenance(settings, format=INDEX_FORMAT, format_version=INDEX_FORMAT_VERSION, n_docs=len(doc_ids),
-                      n_tokens=n_tokens, heads=list(heads), dims=dims,
-                      dim=next(iter(dims.values())) if len(set(dims.values())) == 1 else None,
-                      embedding_dtype="float16", faiss=faiss_settings, corpus_fingerprint=corpus_fp,
-                      encoder_fingerprint=encoder_fp, encoding_precision=precision,
-                      encoded_on={"device": str(device) if processes == 1 else device.type, "processes": processes},
-                      **({"document_encoding": document_encoding} if document_encoding else {}))
-    write_json_atomic(build / INDEX_JSON, meta)  # last: its presence marks the folder a finished index
-    _move_into_place(build, directory)
-    return TokenIndex.load(directory)
+        embeddings = {head: np.load(embeddings_path(build, head), mmap_mode="r") for head in heads}
+        faiss_settings = write_search_files(build, embeddings, faiss_kind, faiss_params, use_gpu, progress,
+                                            gpu_device)
+        del embeddings
+        shutil.rmtree(build / CHUNKS_DIR)
+        dims = metas[0]["dims"]
+        document_encoding = identity["document_encoding"]
+        meta = provenance(settings, format=INDEX_FORMAT, format_version=INDEX_FORMAT_VERSION, n_docs=len(doc_ids),
+                          n_tokens=n_tokens, heads=list(heads), dims=dims,
+                          dim=next(iter(dims.values())) if len(set(dims.values())) == 1 else None,
+                          embedding_dtype="float16", faiss=faiss_settings, corpus_fingerprint=corpus_fp,
+                          encoder_fingerprint=encoder_fp, encoding_precision=precision,
+                          encoded_on={"device": str(device) if processes == 1 else device.type,
+                                      "processes": processes},
+                          **({"document_encoding": document_encoding} if document_encoding else {}))
+        seal_index(build, meta)  # last: its presence marks the folder a finished index
+        kill_if_asked("sealed")
+        replace_directory(build, directory)
+        # The checksums were just computed from these very files: the sizes say they are the ones recorded.
+        return TokenIndex.load(directory, verify="sizes")
 
 
 # -- reuse ------------------------------------------------------------------------------------------------------
@@ -258,55 +272,76 @@ def _same_search_structures(index: TokenIndex, faiss_kind: str, faiss_params: di
     return stored["kind"] == faiss_kind and all(structural(p) == structural(stored["params"]) for p in wanted)
 
 
-def _open_matching(directory: Path, corpus_fp: str, encoder: Encoder) -> TokenIndex | None:
-    """The index at ``directory`` when it was built from this corpus and encoder, else None."""
+def _open_matching(directory: Path, corpus_fp: str, encoder: Encoder, verify: str) -> TokenIndex | None:
+    """The index at ``directory`` when it was built from this corpus and encoder and is intact, else None (with a
+    warning saying why it is rebuilt)."""
     if not (directory / INDEX_JSON).is_file():
         return None
     try:
-        return TokenIndex.load(directory, expect_corpus_fingerprint=corpus_fp,
-                               expect_encoder_fingerprint=encoder_fingerprint(encoder))
+        index = TokenIndex.load(directory, expect_corpus_fingerprint=corpus_fp,
+                                expect_encoder_fingerprint=encoder_fingerprint(encoder), verify=verify)
     except IndexMismatchError as error:
         logger.warning("%s; rebuilding it", error)
         return None
+    except IndexIntegrityError as error:
+        logger.warning("damaged index, rebuilding it: %s", error)
+        return None
+    if index.verified == "none":
+        # A cache that cannot say whether it is intact is not trusted: one rebuild records its files.
+        logger.warning("%s: rebuilding it so that it records its files' sizes and checksums", directory)
+        return None
+    return index
 
 
 def open_or_build_index(encoder: Encoder, doc_ids: Sequence[str], texts: Sequence[str],
                         directory: str | os.PathLike, *, corpus_fingerprint: str | None = None,
                         faiss_kind: str = "flat", faiss_params: dict[str, Any] | None = None,
-                        use_gpu: bool = False, **build_kwargs: Any) -> TokenIndex:
+                        use_gpu: bool = False, verify: str = "auto", **build_kwargs: Any) -> TokenIndex:
     """Reuse the index at ``directory`` when it matches this corpus, encoder, document encoding and precision, else
     (re)build it; ``build_kwargs`` are :func:`build_index`'s (``processes``, ``precision``, ``quantize``, ...).
+
+    ``verify`` is how much of a found index is checked (:meth:`TokenIndex.load`); a damaged index, or one written
+    before indexes recorded their files, is rebuilt with a warning. Under the index's lock: a second process asking
+    for the same index waits for the first, then reuses what it built.
 
     When only the search structures differ (search-time settings such as ``nprobe`` aside), only they are
     rebuilt; a compressed-only index has no fp16 vectors to build them from, so it is encoded again.
     """
     directory = Path(directory)
+    check_verify(verify)
     corpus_fp = corpus_fingerprint or fingerprint_corpus(doc_ids, texts)
 
     def build() -> TokenIndex:
         return build_index(encoder, doc_ids, texts, directory, faiss_kind=faiss_kind, faiss_params=faiss_params,
                            corpus_fingerprint=corpus_fp, use_gpu=use_gpu, overwrite=True, **build_kwargs)
 
-    index = _open_matching(directory, corpus_fp, encoder)
-    if index is None:
-        return build()
+    with file_lock(lock_path(directory), what=f"building {directory.name}"):
+        index = _open_matching(directory, corpus_fp, encoder, verify)
+        if index is None:
+            return build()
+        reason = _rebuild_reason(index, texts, build_kwargs)
+        if reason is not None:
+            logger.info("%s: %s: rebuilding it", directory, reason)
+            return build()
+        if _same_search_structures(index, faiss_kind, faiss_params):
+            return index
+        if index.compressed_only:
+            logger.info("%s: compressed-only index with other settings: rebuilding it", directory)
+            return build()
+        logger.info("%s: FAISS settings differ (%s -> %s): rebuilding the FAISS part only", directory,
+                    index.faiss_settings["kind"], faiss_kind)
+        return rebuild_faiss(index, faiss_kind, faiss_params, use_gpu=use_gpu,
+                             progress=build_kwargs.get("progress", True), gpu_device=build_kwargs.get("gpu_device", 0))
+
+
+def _rebuild_reason(index: TokenIndex, texts: Sequence[str], build_kwargs: dict[str, Any]) -> str | None:
+    """Why the documents of ``index`` must be encoded again (another precision or document encoding), or None."""
     precision = build_kwargs.get("precision", "fp32")
-    if index.meta.get("encoding_precision", "fp32") != precision:  # indexes from before precision existed: fp32
-        logger.info("%s: documents were encoded in %s, %s wanted: rebuilding it", directory,
-                    index.meta.get("encoding_precision", "fp32"), precision)
-        return build()
+    recorded = index.meta.get("encoding_precision", "fp32")  # indexes from before precision existed: fp32
+    if recorded != precision:
+        return f"documents were encoded in {recorded}, {precision} wanted"
     n_calibration = len(_calibration_texts(texts, build_kwargs.get("calibration_docs", CALIBRATION_DOCS)))
     if not _same_document_encoding(index, build_kwargs.get("quantize"), n_calibration):
-        logger.info("%s: documents were encoded with %s, %s wanted: rebuilding it", directory,
-                    index.meta.get("document_encoding") or {},
-                    document_encoding_key(build_kwargs.get("quantize"), n_calibration))
-        return build()
-    if _same_search_structures(index, faiss_kind, faiss_params):
-        return index
-    if index.compressed_only:
-        logger.info("%s: compressed-only index with other settings: rebuilding it", directory)
-        return build()
-    logger.info("%s: FAISS settings differ (%s -> %s): rebuilding the FAISS part only", directory,
-                index.faiss_settings["kind"], faiss_kind)
-    return rebuild_faiss(index, faiss_kind, faiss_params, use_gpu=use_gpu, progress=build_kwargs.get("progress", True),
-                         gpu_device=build_kwargs.get("gpu_device", 0))
+        return (f"documents were encoded with {index.meta.get('document_encoding') or {}}, "
+                f"{document_encoding_key(build_kwargs.get('quantize'), n_calibration)} wanted")
+    return None

@@ -3,9 +3,12 @@
 The corpus is encoded ``chunk_docs`` documents at a time into a ``chunks`` folder: chunk ``n`` is the files
 ``chunk-<n>.<head>.npy``, ``chunk-<n>.token_ids.npy``, ``chunk-<n>.lengths.npy`` (each written atomically) and
 ``chunk-<n>.json``, written last: its presence marks the chunk finished (it holds the chunk's range, the build's
-identity, its counts, and the rank that encoded it). A rerun after a crash reuses every finished chunk whose
-metadata matches what it would write now (document range, settings, fingerprints, document encoding, precision)
-and encodes the rest. Memory: one chunk's vectors at a time; joining streams the chunks into memmaps.
+identity, its counts, the rank that encoded it, and the size and SHA-256 of each of its files). A rerun after a
+crash reuses every finished chunk whose metadata matches what it would write now (document range, settings,
+fingerprints, document encoding, precision) and whose files still have their recorded sizes and checksums, and
+encodes the rest. A chunk whose vectors hold a NaN or inf is refused when written (the model's output is at
+fault: :class:`~hil.retrieval.integrity.NonFiniteError`), so an index never stores one. Memory: one chunk's
+vectors at a time; joining streams the chunks into memmaps.
 
 Chunk ``n`` always holds documents ``[n * chunk_docs, (n + 1) * chunk_docs)``, whoever encodes it: several
 processes can share one corpus (``rank`` / ``world``: chunk ``n`` belongs to rank ``n % world``) and a rerun with
@@ -15,18 +18,33 @@ any number of processes reuses what an earlier one finished; the join reads the 
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from hil.provenance import write_json_atomic
+from hil.provenance import DIGEST, file_digest, write_json_atomic
 from hil.retrieval.encoding import DocumentEncoder, encode_document_tokens
 from hil.retrieval.index import (DOC_OFFSETS_NPY, INDEX_FORMAT_VERSION, TOKEN_IDS_NPY, embeddings_path,
                                  save_npy_atomic)
+from hil.retrieval.integrity import check_finite_vectors
 
 _CHUNK_FILE = re.compile(r"^\.?chunk-(\d+)\.")  # a chunk's file, or (leading dot) a temporary one being written
+
+# Test-only: a build process whose environment names one of its steps here kills itself (SIGKILL) at that step, so
+# tests can prove what a real crash leaves behind: ``chunk-<n>-arrays`` (chunk n's arrays written, its metadata
+# not), ``joined`` (chunks joined into the index's arrays, search structures not written), ``sealed``
+# (``index.json`` written in the unfinished folder, not yet renamed into place).
+KILL_AT_ENV = "HIL_TEST_KILL_AT"
+
+
+def kill_if_asked(step: str) -> None:
+    """Die hard here when :data:`KILL_AT_ENV` names ``step`` (a no-op otherwise)."""
+    if os.environ.get(KILL_AT_ENV) == step:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def chunk_paths(chunks: Path, number: int, heads: Sequence[str]) -> dict[str, Path]:
@@ -38,8 +56,27 @@ def chunk_paths(chunks: Path, number: int, heads: Sequence[str]) -> dict[str, Pa
     return paths
 
 
-def finished_chunk(paths: dict[str, Path], expected: dict[str, Any]) -> dict[str, Any] | None:
-    """The metadata of a finished chunk matching ``expected`` (index, doc range, settings, fingerprints), or None."""
+def _files_intact(paths: dict[str, Path], records: dict[str, Any] | None, checksums: bool) -> bool:
+    """Whether a chunk's array files have their recorded sizes (and, with ``checksums``, SHA-256); a chunk written
+    before files were recorded passes on presence alone."""
+    arrays = [path for key, path in paths.items() if key != "meta"]
+    if not all(path.is_file() for path in arrays):
+        return False
+    if records is None:
+        return True
+    for path in arrays:
+        record = records.get(path.name)
+        if record is None or path.stat().st_size != record["bytes"]:
+            return False
+        if checksums and file_digest(path) != record[DIGEST]:
+            return False
+    return True
+
+
+def finished_chunk(paths: dict[str, Path], expected: dict[str, Any], *,
+                   checksums: bool = False) -> dict[str, Any] | None:
+    """The metadata of a finished chunk matching ``expected`` (index, doc range, settings, fingerprints) whose files
+    have their recorded sizes (and checksums, with ``checksums``), or None."""
     if not paths["meta"].is_file():
         return None
     try:
@@ -49,7 +86,7 @@ def finished_chunk(paths: dict[str, Path], expected: dict[str, Any]) -> dict[str
         return None
     if any(meta.get(key) != value for key, value in expected.items()):
         return None
-    if not all(path.is_file() for path in paths.values()):
+    if not _files_intact(paths, meta.get("files"), checksums):
         return None
     return meta
 
@@ -60,12 +97,20 @@ def _write_chunk(encoder: DocumentEncoder, texts: Sequence[str], paths: dict[str
     and the ``rank`` that encoded it: a record only, never compared)."""
     heads = tuple(encoder.head_names)
     encoded = encode_document_tokens(encoder, texts, batch_size=batch_size, progress_bar=progress_bar)
+    for head in heads:  # all checked before anything is written
+        check_finite_vectors(encoded.embeddings[head], f"the document vectors (head {head}) of documents "
+                             f"{expected['doc_start']}..{expected['doc_end'] - 1}",
+                             "the model produces NaN (damaged weights, or an unstable precision); nothing of them "
+                             "was stored")
     for head in heads:
         save_npy_atomic(paths[f"emb:{head}"], encoded.embeddings[head])
     save_npy_atomic(paths["token_ids"], encoded.token_ids)
     save_npy_atomic(paths["lengths"], encoded.lengths)
+    kill_if_asked(f"chunk-{expected['chunk']}-arrays")
+    files = {path.name: {"bytes": path.stat().st_size, DIGEST: file_digest(path)}
+             for key, path in paths.items() if key != "meta"}
     meta = dict(expected, n_tokens=int(encoded.lengths.sum()),
-                dims={head: int(encoded.embeddings[head].shape[1]) for head in heads}, rank=rank)
+                dims={head: int(encoded.embeddings[head].shape[1]) for head in heads}, rank=rank, files=files)
     write_json_atomic(paths["meta"], meta)  # last: its presence marks the chunk finished
     return meta
 
@@ -102,7 +147,8 @@ def encode_in_chunks(encoder: DocumentEncoder, texts: Sequence[str], chunks: Pat
             continue
         paths = chunk_paths(chunks, number, heads)
         expected = expected_chunk_meta(number, start, end, heads, identity)
-        meta = finished_chunk(paths, expected)
+        # Reused only when its bytes are the ones recorded: a chunk survives crashes, and is read once more here.
+        meta = finished_chunk(paths, expected, checksums=True)
         if meta is not None:
             progress_bar.update(end - start)
         else:

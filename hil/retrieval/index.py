@@ -20,6 +20,9 @@ This module reads and checks a finished folder; :mod:`hil.retrieval.builder` wri
 structures (which files, which settings) belong to the back-ends of :mod:`hil.retrieval.backends`.
 
 Choices:
+- An index verifies itself (:mod:`hil.retrieval.integrity`): ``index.json`` records every other file's size and
+  SHA-256 under ``"files"`` (:func:`seal_index`); :meth:`TokenIndex.load` checks the sizes always, and the checksums
+  when the index is small enough (``verify="auto"``) or when asked (``verify="full"``), before mapping any array.
 - A folder is finished when ``index.json`` is in it: builders write everything else first, under
   ``<dir>.tmp-build`` (:func:`unfinished_build_dir`), and rename the folder at the end; every file is written under
   a temporary name and renamed (:func:`save_npy_atomic`), so a reader never sees half a file.
@@ -42,8 +45,11 @@ import numpy as np
 import torch
 
 from hil.modeling.contracts import Encoder
-from hil.provenance import atomic_output, fingerprint_strings
+from hil.data.errors import UserError
+from hil.provenance import atomic_output, fingerprint_strings, write_json_atomic
 from hil.retrieval.codec import CompressedEmbeddings, ResidualCodec
+from hil.retrieval.integrity import (FILES_KEY, IndexIntegrityError, check_files, load_npy, rebuild_hint,
+                                     record_files)
 from hil.retrieval.store import TokenStore, TokenTable
 
 INDEX_FORMAT = "hil-token-index"
@@ -55,7 +61,7 @@ TOKEN_IDS_NPY = "token_ids.npy"
 PLAID_FILES = ("centroids", "codes", "ivf_offsets", "ivf_docs", "residuals")
 
 
-class IndexMismatchError(ValueError):
+class IndexMismatchError(UserError):
     """An index on disk was built from another corpus or another encoder than the one expected."""
 
 
@@ -91,6 +97,15 @@ def save_npy_atomic(path: Path, array: np.ndarray) -> None:
         np.save(handle, array)
 
 
+def seal_index(directory: Path, meta: dict[str, Any]) -> dict[str, Any]:
+    """Write ``index.json`` (``meta`` with the size and checksum of every other file of ``directory``): the last
+    step of writing an index, once every other file is in place; -> the meta written."""
+    meta = {key: value for key, value in meta.items() if key != FILES_KEY}
+    meta[FILES_KEY] = record_files(directory, skip=(INDEX_JSON,))
+    write_json_atomic(directory / INDEX_JSON, meta)
+    return meta
+
+
 def unfinished_build_dir(directory: Path) -> Path:
     """Where the folder ``directory`` is assembled before it is renamed into place."""
     return directory.with_name(directory.name + ".tmp-build")
@@ -109,16 +124,15 @@ def _load_vectors(directory: Path, meta: dict[str, Any], head: str, mode: str | 
     """A head's (n_tokens, D) vectors: the fp16 memmap, or a decompressing view of a compressed-only index."""
     path = embeddings_path(directory, head)
     if path.is_file():
-        return np.load(path, mmap_mode=mode)
+        return load_npy(path, mode)
     codec_settings = meta.get("faiss", {}).get("codecs", {}).get(head)
     if codec_settings is None:
         raise FileNotFoundError(f"{path}: missing, and the index stores no compressed vectors for head {head!r}")
     paths = plaid_paths(directory, head)
-    codec = ResidualCodec(np.load(paths["centroids"]), int(codec_settings["nbits"]),
+    codec = ResidualCodec(load_npy(paths["centroids"]), int(codec_settings["nbits"]),
                           np.asarray(codec_settings["cutoffs"], dtype=np.float32),
                           np.asarray(codec_settings["weights"], dtype=np.float32))
-    return CompressedEmbeddings(codec, np.load(paths["codes"], mmap_mode=mode),
-                                np.load(paths["residuals"], mmap_mode=mode))
+    return CompressedEmbeddings(codec, load_npy(paths["codes"], mode), load_npy(paths["residuals"], mode))
 
 
 def _read_meta(directory: Path) -> dict[str, Any]:
@@ -129,8 +143,13 @@ def _read_meta(directory: Path) -> dict[str, Any]:
         hint = f" ({unfinished} holds an unfinished build: rerun build_index to resume it)" \
             if unfinished.exists() else ""
         raise FileNotFoundError(f"{directory}: not a hil token index (no {INDEX_JSON}){hint}")
-    with open(meta_path, encoding="utf-8") as handle:
-        meta = json.load(handle)
+    try:
+        with open(meta_path, encoding="utf-8") as handle:
+            meta = json.load(handle)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise IndexIntegrityError(f"{meta_path}: unreadable ({error}); " + rebuild_hint(directory)) from error
+    if not isinstance(meta, dict):
+        raise IndexIntegrityError(f"{meta_path}: not a JSON object; " + rebuild_hint(directory))
     if meta.get("format") != INDEX_FORMAT or meta.get("format_version") != INDEX_FORMAT_VERSION:
         raise ValueError(f"{meta_path}: format {meta.get('format')!r} version {meta.get('format_version')!r}, "
                          f"expected {INDEX_FORMAT!r} version {INDEX_FORMAT_VERSION}")
@@ -169,6 +188,9 @@ class TokenIndex(TokenStore):
         super().__init__(doc_ids, doc_offsets, embeddings, token_ids)
         self.directory = directory
         self.meta = meta
+        # What was checked when it was opened: "full" (sizes and checksums), "sizes", or "none" (an index written
+        # before files were recorded).
+        self.verified = "none"
         # Search structures a back-end loaded on first use (FAISS indexes, centroid plans), by the back-end's own
         # keys: they live as long as this opened index, so repeated searches do not load them again.
         self.search_structures: dict[tuple[Any, ...], Any] = {}
@@ -223,19 +245,33 @@ class TokenIndex(TokenStore):
 
     @classmethod
     def load(cls, directory: str | os.PathLike, expect_corpus_fingerprint: str | None = None,
-             expect_encoder_fingerprint: str | None = None, mmap: bool = True) -> "TokenIndex":
-        """Open an index folder; refuse it when it was built from another corpus or encoder than expected."""
+             expect_encoder_fingerprint: str | None = None, mmap: bool = True, verify: str = "auto") -> "TokenIndex":
+        """Open an index folder; refuse it when it was built from another corpus or encoder than expected, or when
+        its files differ from what ``index.json`` recorded (:class:`IndexIntegrityError`).
+
+        ``verify``: ``"sizes"`` checks every recorded file's size, ``"full"`` also its checksum, ``"auto"`` the
+        checksums of an index of at most :data:`hil.retrieval.integrity.FULL_CHECK_MAX_BYTES` (1 GiB) and the sizes
+        of a larger one; all before any array is mapped (:func:`hil.retrieval.integrity.check_files`).
+        """
         directory = Path(directory)
         meta = _read_meta(directory)
         _check_fingerprints(directory, meta, {"corpus": expect_corpus_fingerprint,
                                               "encoder": expect_encoder_fingerprint})
+        verified = check_files(directory, meta, verify)
         mode = "r" if mmap else None
-        with open(directory / DOC_IDS_JSON, encoding="utf-8") as handle:
-            doc_ids = json.load(handle)
-        doc_offsets = np.load(directory / DOC_OFFSETS_NPY)
+        try:
+            with open(directory / DOC_IDS_JSON, encoding="utf-8") as handle:
+                doc_ids = json.load(handle)
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise IndexIntegrityError(f"{directory / DOC_IDS_JSON}: unreadable ({error}); "
+                                      + rebuild_hint(directory)) from error
+        doc_offsets = load_npy(directory / DOC_OFFSETS_NPY)
         embeddings = {head: _load_vectors(directory, meta, head, mode) for head in meta["heads"]}
-        token_ids = np.load(directory / TOKEN_IDS_NPY, mmap_mode=mode)
+        token_ids = load_npy(directory / TOKEN_IDS_NPY, mode)
         problems = _inconsistencies(meta, doc_ids, doc_offsets, embeddings, token_ids)
         if problems:
-            raise ValueError(f"{directory}: inconsistent index files: " + "; ".join(problems))
-        return cls(directory, meta, doc_ids, doc_offsets, embeddings, token_ids)
+            raise IndexIntegrityError(f"{directory}: inconsistent index files: " + "; ".join(problems) + "; "
+                                      + rebuild_hint(directory))
+        index = cls(directory, meta, doc_ids, doc_offsets, embeddings, token_ids)
+        index.verified = verified
+        return index

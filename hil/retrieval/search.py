@@ -6,7 +6,9 @@ proposes each query's candidate documents, the union over heads; then every cand
 ``encoder.score`` (for ColBERT, Eq. 1 ``sum_i max_j E_qi . E_dj``; the model decides how its heads combine:
 search never hard-codes MaxSim). Scores come from the index's fp16 vectors widened to fp32.
 
-Ties are broken by document id (sort by ``(-score, doc_id)``) so every ranking is deterministic.
+Ties are broken by document id (sort by ``(-score, doc_id)``) so every ranking is deterministic. A NaN or infinite
+query vector or score is never ranked: it raises :class:`~hil.retrieval.integrity.NonFiniteError` naming the
+queries and the likely cause (a model producing NaN, or a damaged index).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from hil.retrieval.backends.base import CandidateSettings, Candidates
 from hil.retrieval.backends.registry import open_backend
 from hil.retrieval.encoding import encode_document_tokens, eval_mode
 from hil.retrieval.index import TokenIndex
+from hil.retrieval.integrity import (check_finite_queries, check_finite_scores, check_finite_vectors,
+                                     non_finite_scores)
 from hil.retrieval.store import TokenStore, gather_documents, length_blocks
 
 # Bound on the (Bq, C, Lq, Lmax) similarity tensor of one ``encoder.score`` call, in fp32 elements (128 MiB).
@@ -215,18 +219,26 @@ def full_rank(encoder: Encoder, index: TokenIndex, queries: dict[str, str], *, k
             batch_qids = qids[batch_start: batch_start + batch_size]
             with _timed(timings, "encode_s"):
                 encoded = encoder.encode_queries(texts[batch_start: batch_start + batch_size])
+            # Before the ANN search: FAISS never returns a NaN neighbour, so NaN queries would rank nothing.
+            check_finite_queries(encoded, batch_qids, encoder.architecture)
             with _timed(timings, "ann_s"):  # retrieve
                 found = backend.candidates(encoded, heads)
             with _timed(timings, "score_s"):  # rank
+                non_finite = []
                 for row, (qid, candidates) in enumerate(zip(batch_qids, found)):
                     counts.append(len(candidates.docs))
                     overlap.add(candidates.heads)
                     scores = score_documents(encoder, encoded.select(slice(row, row + 1)), index, candidates.docs,
                                              block_tokens=block_tokens)[0]
+                    if not np.isfinite(scores).all():
+                        non_finite.append(qid)
+                        continue
                     best_docs, best_scores = top_k(scores, candidates.docs, index.doc_id_rank, k)
                     run[qid] = {index.doc_ids[d]: float(s) for d, s in zip(best_docs.tolist(), best_scores.tolist())}
                     kept = candidates.docs if keep_candidate_sources else best_docs
                     sources[qid] = _named_sources(index, heads, candidates, kept.tolist())
+                if non_finite:
+                    raise non_finite_scores(non_finite, _where(index))
             bar.update(len(batch_qids))
     bar.close()
     total = time.perf_counter() - started
@@ -276,8 +288,11 @@ def exact_rank(encoder: Encoder, index: TokenStore, queries: dict[str, str], k: 
             group_texts = texts[group_start: group_start + group]
             encoded = concat_batches([encoder.encode_queries(group_texts[i: i + batch_size])
                                        for i in range(0, len(group_texts), batch_size)])
+            group_qids = qids[group_start: group_start + group]
+            check_finite_queries(encoded, group_qids, encoder.architecture)
             scores = score_documents(encoder, encoded, index, all_docs, block_tokens=block_tokens)  # (G, n_docs)
-            for row, qid in enumerate(qids[group_start: group_start + group]):
+            check_finite_scores(scores, group_qids, _where(index))
+            for row, qid in enumerate(group_qids):
                 best_docs, best_scores = top_k(scores[row], all_docs, index.doc_id_rank, k)
                 run[qid] = {index.doc_ids[d]: float(s) for d, s in zip(best_docs.tolist(), best_scores.tolist())}
             bar.update(len(group_texts))
@@ -300,13 +315,15 @@ def exhaustive_scores(encoder: Encoder, store: TokenStore, queries: dict[str, st
     model that combines its heads otherwise (a weighted ensemble) is refused rather than ranked wrongly.
     """
     _check_heads(encoder, store)
-    _, texts = _query_items(queries)
+    qids, texts = _query_items(queries)
     every = np.arange(store.n_docs, dtype=np.int64)
     with eval_mode(encoder):
         encoded = concat_batches([encoder.encode_queries(texts[i: i + batch_size])
                                   for i in range(0, len(texts), batch_size)])
+        check_finite_queries(encoded, qids, encoder.architecture)
         heads = score_documents(encoder, encoded, store, every, block_tokens=block_tokens, by_head=True)
         total = sum(heads.values()) if len(heads) > 1 else next(iter(heads.values()))
+        check_finite_scores(total, qids, _where(store))  # a NaN or inf of any head reaches the sum
         # every document: an encoder normalizing per query takes its moments from all of them
         corner = score_documents(encoder, encoded.select(slice(0, 4)), store, every, block_tokens=block_tokens)
     if not np.allclose(corner, total[:4], atol=1e-3, rtol=1e-4):
@@ -324,14 +341,20 @@ def rank_matrix(scores: np.ndarray, qids: Sequence[str], doc_ids: Sequence[str],
     id_rank[np.argsort(np.array(doc_ids, dtype=str), kind="stable")] = np.arange(len(doc_ids))
     every = np.arange(len(doc_ids), dtype=np.int64)
     run: dict[str, dict[str, float]] = {}
+    non_finite = []
     for row, qid in enumerate(qids):
         docs = every if candidates is None else np.array([doc_index[d] for d in candidates.get(qid, ())],
                                                          dtype=np.int64)
         if len(docs) == 0:
             run[qid] = {}
             continue
+        if not np.isfinite(scores[row, docs]).all():
+            non_finite.append(qid)
+            continue
         best, best_scores = top_k(scores[row, docs], docs, id_rank, k)
         run[qid] = {doc_ids[d]: float(s) for d, s in zip(best.tolist(), best_scores.tolist())}
+    if non_finite:
+        raise non_finite_scores(non_finite, "the score matrix")
     return run
 
 
@@ -378,14 +401,20 @@ def rerank(encoder: Encoder, index: TokenStore | None, queries: dict[str, str], 
                 group_docs = _unique_in_order([d for qid in group_qids for d in wanted[qid]])
                 tokens = encode_document_tokens(encoder, [texts[d] for d in group_docs], batch_size=doc_batch_size,
                                                 dtype=np.float32)
+                for head, vectors in tokens.embeddings.items():
+                    check_finite_vectors(vectors, f"the candidates' document vectors (head {head})",
+                                         f"{encoder.architecture} produces NaN (damaged weights, or an unstable "
+                                         "precision); no ranking is made from them")
                 store = tokens.to_store(group_docs)
                 timings["encode_docs_s"] += time.perf_counter() - tick
             for batch_start in range(0, len(group_qids), batch_size):
                 batch_qids = group_qids[batch_start: batch_start + batch_size]
                 tick = time.perf_counter()
                 encoded = encoder.encode_queries([queries[qid] for qid in batch_qids])
+                check_finite_queries(encoded, batch_qids, encoder.architecture)
                 timings["encode_queries_s"] += time.perf_counter() - tick
                 tick = time.perf_counter()
+                non_finite = []
                 for row, qid in enumerate(batch_qids):
                     docs = np.array([store.doc_index[d] for d in wanted[qid]], dtype=np.int64)
                     if len(docs) == 0:
@@ -393,8 +422,14 @@ def rerank(encoder: Encoder, index: TokenStore | None, queries: dict[str, str], 
                         continue
                     scores = score_documents(encoder, encoded.select(slice(row, row + 1)), store, docs,
                                              block_tokens=block_tokens)[0]
+                    if not np.isfinite(scores).all():
+                        non_finite.append(qid)
+                        continue
                     best_docs, best_scores = top_k(scores, docs, store.doc_id_rank, k)
                     run[qid] = {store.doc_ids[d]: float(s) for d, s in zip(best_docs.tolist(), best_scores.tolist())}
+                if non_finite:  # documents encoded just now (no index) are the model's output
+                    raise non_finite_scores(non_finite, _where(index) if index is not None else "the candidates "
+                                            "encoded on the fly")
                 timings["score_s"] += time.perf_counter() - tick
                 bar.update(len(batch_qids))
     bar.close()

@@ -55,11 +55,12 @@ from hil.data.tokenization import ColBERTTokenizer, TokenizedBatch
 from hil.isotropy.post_transform import PostTransform
 from hil.isotropy.postprocess import TransformPipeline, fit_transform_from_config, load_transform
 from hil.modeling.contracts import EncodedBatch, Encoder
-from hil.provenance import provenance, write_json_atomic
+from hil.provenance import file_lock, lock_path, provenance, replace_directory, write_json_atomic
 from hil.retrieval.builder import rebuild_faiss
 from hil.retrieval.encoding import encode_document_tokens, eval_mode
 from hil.retrieval.index import (DOC_IDS_JSON, DOC_OFFSETS_NPY, INDEX_FORMAT, INDEX_FORMAT_VERSION, INDEX_JSON,
-                                 TOKEN_IDS_NPY, TokenIndex, encoder_fingerprint, save_npy_atomic)
+                                 TOKEN_IDS_NPY, TokenIndex, encoder_fingerprint, save_npy_atomic, seal_index)
+from hil.retrieval.integrity import check_finite_vectors
 from hil.retrieval.store import TokenStore
 
 logger = logging.getLogger(__name__)
@@ -394,9 +395,20 @@ def derive_transformed_index(base: TokenIndex, encoder: TransformedEncoder, dire
 
     ``base`` must have been built by ``encoder.inner`` (checked by fingerprint). Documents, offsets and token ids
     are copied; each transformed head is mapped in blocks of ``block_tokens`` (bounded memory) and stored in fp16.
-    The folder is written under ``<dir>.tmp-derive`` and renamed when complete, with the transforms saved in it.
+    The folder is written under ``<dir>.tmp-derive`` and renamed when complete, with the transforms saved in it and
+    every file recorded in ``index.json`` (:func:`~hil.retrieval.index.seal_index`); under ``<dir>.lock``.
     """
     directory = Path(directory)
+    with file_lock(lock_path(directory), what=f"deriving {directory.name}"):
+        index = _derive(base, encoder, directory, block_tokens, overwrite)
+        if faiss_kind != "flat":
+            index = rebuild_faiss(index, faiss_kind, faiss_params, progress=progress)
+        return index
+
+
+def _derive(base: TokenIndex, encoder: TransformedEncoder, directory: Path, block_tokens: int,
+            overwrite: bool) -> TokenIndex:
+    """:func:`derive_transformed_index`'s folder with flat search (the caller holds the lock)."""
     if not isinstance(encoder, TransformedEncoder):
         raise TypeError("derive_transformed_index needs a TransformedEncoder")
     inner_fp = encoder_fingerprint(encoder.inner)
@@ -424,11 +436,14 @@ def derive_transformed_index(base: TokenIndex, encoder: TransformedEncoder, dire
             block = torch.from_numpy(np.asarray(source[start: start + block_tokens], dtype=np.float32))  # (b, D)
             if transform is not None:
                 block = transform.transform(block)  # stored tokens are all scored: no mask needed
+                check_finite_vectors(block.numpy(), f"the {encoder.spec} transform of head {head}'s vectors",
+                                     "the fitted transform is unstable (a singular fit?); nothing was derived",
+                                     first_row=start)
             target[start: start + block_tokens] = block.numpy().astype(np.float16)
         target.flush()
         del target
         dims[head] = dim
-    np.save(work / TOKEN_IDS_NPY, np.asarray(base.token_ids))
+    save_npy_atomic(work / TOKEN_IDS_NPY, np.asarray(base.token_ids))
     save_npy_atomic(work / DOC_OFFSETS_NPY, np.asarray(base.doc_offsets))
     write_json_atomic(work / DOC_IDS_JSON, list(base.doc_ids))
     encoder.save_transforms(work)
@@ -443,30 +458,31 @@ def derive_transformed_index(base: TokenIndex, encoder: TransformedEncoder, dire
                       derived_from={"directory": str(base.directory), "encoder_fingerprint": base.encoder_fingerprint,
                                     "transform": encoder.spec, "mode": encoder.mode,
                                     "transform_files": {h: transform_file_name(h) for h in encoder.transforms}})
-    write_json_atomic(work / INDEX_JSON, meta)
-    if directory.exists():
-        shutil.rmtree(directory)
-    os.replace(work, directory)
-    index = TokenIndex.load(directory)
-    if faiss_kind != "flat":
-        index = rebuild_faiss(index, faiss_kind, faiss_params, progress=progress)
-    return index
+    seal_index(work, meta)
+    replace_directory(work, directory)
+    return TokenIndex.load(directory, verify="sizes")  # checksums just computed from these files
 
 
 def open_or_derive_index(base: TokenIndex, encoder: TransformedEncoder, directory: str | os.PathLike, *,
                          faiss_kind: str = "flat", faiss_params: dict[str, Any] | None = None,
-                         progress: bool = False) -> TokenIndex:
-    """Reuse the derived index at ``directory`` when its fingerprints match ``encoder`` and ``base``; else derive it."""
+                         progress: bool = False, verify: str = "auto") -> TokenIndex:
+    """Reuse the derived index at ``directory`` when its fingerprints match ``encoder`` and ``base`` and its files
+    are intact (checked as ``verify`` says: :meth:`TokenIndex.load`); else derive it (a damaged one, or one written
+    before indexes recorded their files, with a warning). Under ``<dir>.lock``: a second process waits."""
     directory = Path(directory)
-    if (directory / INDEX_JSON).is_file():
-        try:
-            index = TokenIndex.load(directory, expect_corpus_fingerprint=base.corpus_fingerprint,
-                                    expect_encoder_fingerprint=encoder_fingerprint(encoder))
-        except ValueError as error:
-            logger.warning("%s; deriving it again", error)
-        else:
-            if index.faiss_settings["kind"] == faiss_kind:
-                return index
-            return rebuild_faiss(index, faiss_kind, faiss_params, progress=progress)
-    return derive_transformed_index(base, encoder, directory, faiss_kind=faiss_kind, faiss_params=faiss_params,
-                                    overwrite=True, progress=progress)
+    with file_lock(lock_path(directory), what=f"deriving {directory.name}"):
+        if (directory / INDEX_JSON).is_file():
+            try:
+                index = TokenIndex.load(directory, expect_corpus_fingerprint=base.corpus_fingerprint,
+                                        expect_encoder_fingerprint=encoder_fingerprint(encoder), verify=verify)
+            except ValueError as error:  # another base or encoder, or damaged files (IndexIntegrityError)
+                logger.warning("%s; deriving it again", error)
+            else:
+                if index.verified == "none":
+                    logger.warning("%s: deriving it again so that it records its files", directory)
+                elif index.faiss_settings["kind"] == faiss_kind:
+                    return index
+                else:
+                    return rebuild_faiss(index, faiss_kind, faiss_params, progress=progress)
+        return derive_transformed_index(base, encoder, directory, faiss_kind=faiss_kind, faiss_params=faiss_params,
+                                        overwrite=True, progress=progress)

@@ -19,6 +19,7 @@ from typing import Any, ClassVar, Sequence
 
 import numpy as np
 
+from hil.data.errors import UserError
 from hil.modeling.contracts import EncodedBatch
 from hil.retrieval.codec import ResidualCodec
 from hil.retrieval.index import TokenIndex
@@ -69,7 +70,7 @@ class SearchBackend(ABC):
         params = dict(params or {})
         unknown = set(params) - cls.accepted_params
         if unknown:
-            raise ValueError(f"faiss_params {sorted(unknown)} do not apply to faiss_kind={cls.kind!r} "
+            raise UserError(f"faiss_params {sorted(unknown)} do not apply to faiss_kind={cls.kind!r} "
                              f"(known: {sorted(cls.accepted_params)})")
         return params
 

@@ -14,11 +14,13 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from hil.data.errors import UserError
 from hil.modeling.contracts import EncodedBatch
 from hil.provenance import atomic_output
 from hil.retrieval.backends.base import CandidateSettings, Candidates, SearchBackend
 from hil.retrieval.codec import NBITS, CompressedEmbeddings, ResidualCodec, fit_residual_codec
 from hil.retrieval.index import DOC_OFFSETS_NPY, TokenIndex, embeddings_path, plaid_paths, save_npy_atomic
+from hil.retrieval.integrity import check_finite_vectors, load_npy, rebuild_hint
 from hil.retrieval.plaid import (CentroidPlan, assign_codes, build_ivf, code_dtype, default_n_centroids,
                                  plaid_candidates, sample_rows, train_centroids)
 from hil.retrieval.store import TokenTable
@@ -30,18 +32,18 @@ _CODEC_SAMPLE = 1 << 16
 def _check_plaid_params(resolved: dict[str, Any], n_tokens: int, dim: int) -> None:
     n_centroids, bits = resolved["n_centroids"], resolved["residual_bits"]
     if not 1 <= n_centroids <= max(1, n_tokens):
-        raise ValueError(f"plaid: n_centroids={n_centroids} must lie in 1..n_tokens={n_tokens}")
+        raise UserError(f"plaid: n_centroids={n_centroids} must lie in 1..n_tokens={n_tokens}")
     if resolved["train_size"] < n_centroids:
-        raise ValueError(f"plaid: n_centroids={n_centroids} needs at least as many training tokens "
+        raise UserError(f"plaid: n_centroids={n_centroids} needs at least as many training tokens "
                          f"(train_size={resolved['train_size']})")
     for name in ("nprobe", "ndocs", "stage2_docs", "niter"):
         if resolved[name] < 1:
-            raise ValueError(f"plaid: {name} must be >= 1, got {resolved[name]}")
+            raise UserError(f"plaid: {name} must be >= 1, got {resolved[name]}")
     if bits and (bits not in NBITS or dim * bits % 8):
-        raise ValueError(f"plaid: residual_bits must be 0 or one of {NBITS} (with D * bits a multiple of 8), "
+        raise UserError(f"plaid: residual_bits must be 0 or one of {NBITS} (with D * bits a multiple of 8), "
                          f"got {bits}")
     if not resolved["keep_embeddings"] and not bits:
-        raise ValueError("plaid: keep_embeddings=False needs residual_bits (the vectors must be stored somehow)")
+        raise UserError("plaid: keep_embeddings=False needs residual_bits (the vectors must be stored somehow)")
 
 
 class PlaidBackend(SearchBackend):
@@ -99,7 +101,7 @@ class PlaidBackend(SearchBackend):
         With ``keep_embeddings=False`` the fp16 file is removed last, once the compressed vectors are in place.
         """
         if isinstance(vectors, CompressedEmbeddings):
-            raise ValueError(f"{directory}: head {head!r} is stored compressed only; new centroids would need "
+            raise UserError(f"{directory}: head {head!r} is stored compressed only; new centroids would need "
                              "the original vectors: build the index again (build_index(..., overwrite=True))")
         paths = plaid_paths(directory, head)
         centroids = train_centroids(vectors, params["n_centroids"], train_size=params["train_size"],
@@ -133,9 +135,12 @@ class PlaidBackend(SearchBackend):
         cache = self.index.search_structures
         if key not in cache:
             paths = plaid_paths(self.index.directory, head)
-            cache[key] = CentroidPlan(np.load(paths["centroids"]), np.load(paths["codes"], mmap_mode="r"),
-                                      np.load(paths["ivf_offsets"]), np.load(paths["ivf_docs"]),
-                                      self.index.doc_offsets)
+            centroids = load_npy(paths["centroids"])
+            # Every query token is scored against every centroid: one NaN centroid would spoil every search.
+            check_finite_vectors(centroids, str(paths["centroids"]),
+                                 "the file is damaged; " + rebuild_hint(self.index.directory))
+            cache[key] = CentroidPlan(centroids, load_npy(paths["codes"], "r"), load_npy(paths["ivf_offsets"]),
+                                      load_npy(paths["ivf_docs"]), self.index.doc_offsets)
         return cache[key]
 
     def candidates(self, queries: EncodedBatch, heads: Sequence[str]) -> list[Candidates]:

@@ -25,10 +25,12 @@ from typing import Any, ClassVar, Sequence
 import numpy as np
 import torch
 
+from hil.data.errors import UserError
 from hil.modeling.contracts import EncodedBatch
 from hil.provenance import atomic_output
 from hil.retrieval.backends.base import Candidates, SearchBackend
 from hil.retrieval.codec import ResidualCodec
+from hil.retrieval.integrity import NonFiniteError, check_finite_vectors, rebuild_hint
 from hil.retrieval.store import TokenTable
 
 logger = logging.getLogger(__name__)
@@ -70,7 +72,8 @@ def set_nprobe(index: Any, nprobe: int) -> None:
 # -- candidates from token hits ---------------------------------------------------------------------------------
 
 def head_hits(faiss_index: Any, vectors: np.ndarray, token_rows: np.ndarray, token_doc: np.ndarray, n_docs: int,
-              ncandidates: int, want_approx: bool) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+              ncandidates: int, want_approx: bool,
+              where: str = "token search") -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
     """One ANN search of all query token vectors (T, D) of a batch -> unique ``row * n_docs + doc`` keys.
 
     ``token_rows`` (T,): the query row of each vector. With ``want_approx`` also (keys, values) of each (row,
@@ -78,6 +81,9 @@ def head_hits(faiss_index: Any, vectors: np.ndarray, token_rows: np.ndarray, tok
     """
     sims, hits = faiss_index.search(vectors, ncandidates)  # (T, k) each
     valid = hits >= 0  # FAISS pads with -1 when it finds fewer than k
+    if not np.isfinite(sims[valid]).all():  # query vectors are checked before: the FAISS index is at fault
+        raise NonFiniteError(f"{where}: the FAISS index returned non-finite similarities (NaN or inf): its file is "
+                             "damaged; rebuild it")
     token_pos = np.nonzero(valid)[0]
     docs = token_doc[hits[valid]].astype(np.int64)
     keys = token_rows[token_pos] * n_docs + docs
@@ -122,9 +128,15 @@ class TokenAnnBackend(SearchBackend):
 
     @classmethod
     def new_faiss_index(cls, vectors: TokenTable, params: dict[str, Any], *, use_gpu: bool = False,
-                        gpu_device: int = 0, block_tokens: int = _ADD_BLOCK) -> Any:
+                        gpu_device: int = 0, block_tokens: int = _ADD_BLOCK, what: str = "the stored vectors",
+                        advice: str = "the file holding them is damaged") -> Any:
         """An inner-product FAISS index over ``vectors`` (n_tokens, D), trained if this kind needs it, filled
-        in fp32 blocks read from the (memmapped) table. ``params`` are resolved."""
+        in fp32 blocks read from the (memmapped) table. ``params`` are resolved.
+
+        Every block is checked for NaN / inf on its way in (:class:`~hil.retrieval.integrity.NonFiniteError`
+        naming ``what``, followed by ``advice``): FAISS would silently never return such a token, so its document
+        would drop out of every ranking. Chunks refuse non-finite vectors when written, so one here means a damaged
+        file."""
         import faiss
 
         n_tokens, dim = vectors.shape
@@ -137,7 +149,9 @@ class TokenAnnBackend(SearchBackend):
             index.train(np.ascontiguousarray(vectors[sample], dtype=np.float32))
             set_nprobe(index, params["nprobe"])
         for start in range(0, n_tokens, block_tokens):
-            index.add(np.ascontiguousarray(vectors[start: start + block_tokens], dtype=np.float32))
+            block = np.ascontiguousarray(vectors[start: start + block_tokens], dtype=np.float32)
+            check_finite_vectors(block, what, advice, first_row=start)
+            index.add(block)
         return index
 
     def candidates(self, queries: EncodedBatch, heads: Sequence[str]) -> list[Candidates]:
@@ -164,7 +178,8 @@ class TokenAnnBackend(SearchBackend):
         for head in heads:
             vectors = np.ascontiguousarray(queries.heads[head][mask].float().cpu().numpy())  # (T, D)
             keys, row_keys, best = head_hits(self.faiss_index(head), vectors, token_rows, self.index.token_doc,
-                                             n_docs, self.settings.ncandidates, want_approx)
+                                             n_docs, self.settings.ncandidates, want_approx,
+                                             where=f"{self.index.directory} (head {head})")
             head_keys.append(keys)
             approx_keys.append(row_keys)
             approx_values.append(best)
@@ -193,8 +208,11 @@ class FlatBackend(TokenAnnBackend):
         return "Flat"
 
     def _open_faiss(self, head: str) -> Any:
+        directory = self.index.directory
         return self.new_faiss_index(self.index.embeddings[head], {}, use_gpu=self.settings.use_gpu,
-                                    gpu_device=self.settings.gpu_device)
+                                    gpu_device=self.settings.gpu_device,
+                                    what=f"{directory}: the stored vectors of head {head}",
+                                    advice="the index is damaged; " + rebuild_hint(directory))
 
 
 def _largest_divisor_at_most(value: int, limit: int) -> int:
@@ -218,7 +236,7 @@ class IvfBackend(TokenAnnBackend):
         resolved: dict[str, Any] = {"nlist": nlist, "nprobe": int(params.get("nprobe", 32)),
                                     "train_size": min(train_size, n_tokens), "seed": int(params.get("seed", 0))}
         if resolved["train_size"] < nlist:
-            raise ValueError(f"faiss {cls.kind}: nlist={nlist} needs at least {nlist} training tokens, the index has "
+            raise UserError(f"faiss {cls.kind}: nlist={nlist} needs at least {nlist} training tokens, the index has "
                              f"{n_tokens} tokens and train_size={resolved['train_size']}; lower faiss_params['nlist']")
         return resolved
 
@@ -231,7 +249,9 @@ class IvfBackend(TokenAnnBackend):
                    use_gpu: bool = False, gpu_device: int = 0) -> ResidualCodec | None:
         import faiss
 
-        index = cls.new_faiss_index(vectors, params, use_gpu=use_gpu, gpu_device=gpu_device)
+        index = cls.new_faiss_index(vectors, params, use_gpu=use_gpu, gpu_device=gpu_device,
+                                    what=f"{directory}: the vectors of head {head}",
+                                    advice="the index's vectors are damaged; " + rebuild_hint(directory))
         if _is_gpu_index(index):
             index = faiss.index_gpu_to_cpu(index)
         (path,) = cls.head_files(directory, head)
@@ -275,11 +295,11 @@ class IvfPqBackend(IvfBackend):
         m = int(params.get("m") or _largest_divisor_at_most(dim, 16))
         nbits = int(params.get("nbits", 8))
         if dim % m:
-            raise ValueError(f"faiss ivfpq: m={m} must divide the embedding dimension {dim}")
+            raise UserError(f"faiss ivfpq: m={m} must divide the embedding dimension {dim}")
         if not 1 <= nbits <= 16:
-            raise ValueError(f"faiss ivfpq: nbits must be in 1..16, got {nbits}")
+            raise UserError(f"faiss ivfpq: nbits must be in 1..16, got {nbits}")
         if resolved["train_size"] < 2 ** nbits:
-            raise ValueError(f"faiss ivfpq: nbits={nbits} needs at least {2 ** nbits} training tokens, got "
+            raise UserError(f"faiss ivfpq: nbits={nbits} needs at least {2 ** nbits} training tokens, got "
                              f"{resolved['train_size']}; lower faiss_params['nbits']")
         return {**resolved, "m": m, "nbits": nbits}
 
