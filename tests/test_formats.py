@@ -120,25 +120,26 @@ def test_stanford_settings_that_do_not_fit_are_refused(tmp_path, backbone, metad
     assert all(word in str(error.value) for word in words), str(error.value)
 
 
-def test_a_colbert_folder_whose_head_cannot_be_read_is_an_error_not_a_random_head(tmp_path, backbone):
-    """``artifact.metadata`` says ColBERT, but the weights have no ``linear.weight``: never a silent random head."""
-    folder = write_stanford(tmp_path / "st", backbone)
+def drop_tensor(folder, key: str) -> None:
+    """Rewrite ``folder``'s weights without ``key``."""
     from safetensors.torch import load_file, save_file
 
     state = load_file(folder / "model.safetensors")
-    del state["linear.weight"]
+    del state[key]
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+def test_a_colbert_folder_whose_head_cannot_be_read_is_an_error_not_a_random_head(tmp_path, backbone):
+    """``artifact.metadata`` says ColBERT, but the weights have no ``linear.weight``: never a silent random head."""
+    folder = write_stanford(tmp_path / "st", backbone)
+    drop_tensor(folder, "linear.weight")
     with pytest.raises(ModelFormatError, match="linear.weight"):
         load_encoder(folder)
 
 
 def test_a_backbone_missing_weights_is_refused(tmp_path, backbone):
     folder = write_stanford(tmp_path / "st", backbone)
-    from safetensors.torch import load_file, save_file
-
-    state = load_file(folder / "model.safetensors")
-    del state["bert.encoder.layer.1.output.dense.weight"]
-    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    drop_tensor(folder, "bert.encoder.layer.1.output.dense.weight")
     with pytest.raises(UserError, match="lack 1 tensors"):
         load_encoder(folder)
 

@@ -36,7 +36,7 @@ def stanford_representable(encoder: Encoder) -> str | None:
     return None
 
 
-def stanford_metadata(encoder: ColBERTEncoder, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+def stanford_metadata(encoder: ColBERTEncoder) -> dict[str, Any]:
     """The ``artifact.metadata`` of ``encoder``: the ColBERTConfig keys that decide how it encodes."""
     settings = encoder.tokenizer.settings()
     return {"query_token_id": settings["query_marker"], "doc_token_id": settings["doc_marker"],
@@ -45,7 +45,7 @@ def stanford_metadata(encoder: ColBERTEncoder, extra: dict[str, Any] | None = No
             "mask_punctuation": settings["mask_punctuation"],
             "attend_to_mask_tokens": settings["attend_to_mask_tokens"], "similarity": "cosine",
             "interaction": "colbert",
-            "meta": {"version": STANFORD_VERSION, "written_by": f"hil {versions().get('hil', 'unknown')}", **(extra or {})}}
+            "meta": {"version": STANFORD_VERSION, "written_by": f"hil {versions().get('hil', 'unknown')}"}}
 
 
 def write_stanford_files(encoder: ColBERTEncoder, directory: Path) -> None:

@@ -20,8 +20,8 @@ from hil.paths import resolve_model
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 # What loading a model reads: settings, tokenizer files, weights, the Dense folders of a PyLate model.
-HUB_PATTERNS = ["*.json", "*.txt", "*.model", "*.safetensors", "pytorch_model.bin", "*/pytorch_model.bin",
-                "artifact.metadata", "hil_heads.pt", "*/hil_heads.pt", "*.pt"]
+HUB_PATTERNS = ["*.json", "*.txt", "*.model", "*.safetensors", "*.pt", "pytorch_model.bin", "*/pytorch_model.bin",
+                "artifact.metadata"]
 CARD_NAME = "README.md"
 
 
