@@ -1,5 +1,7 @@
 # One command each: `make demo` (set up + train a small ColBERT on the MS MARCO sample + evaluate on SciFact),
-# `make test` (set up + the test suite), `make test-slow` (the slow checks), `make bench` (benchmarks).
+# `make test` (set up + the test suite), `make test-slow` (the slow checks), `make bench` (benchmarks),
+# `make gpu-check` (first thing on a GPU machine: GPU tests, DDP mixed-precision training, GPU evaluation and figures;
+# `make gpu-check DRY_RUN=1` runs the same steps small on the CPU).
 PYTHON ?= python3
 VENV ?= .venv
 SHARED ?= $(abspath ../shared)
@@ -11,7 +13,7 @@ export TOKENIZERS_PARALLELISM ?= false
 export OMP_WAIT_POLICY ?= PASSIVE
 BIN := $(VENV)/bin
 
-.PHONY: setup demo paper test test-slow test-all bench clean
+.PHONY: setup demo paper test test-slow test-all bench gpu-check clean
 
 setup: $(VENV)/.installed
 
@@ -45,6 +47,11 @@ test-all: setup
 
 bench: setup
 	$(BIN)/python bench/run.py
+
+# Writes runs/gpu-check/gpu-check.json (runs/gpu-check-dry/ with DRY_RUN=1) and a log per step beside it;
+# GPU_CHECK_ARGS passes more options (python bench/gpu_check.py --help).
+gpu-check: setup
+	$(BIN)/python bench/gpu_check.py $(if $(filter-out 0,$(DRY_RUN)),--dry-run) $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf runs results indexes .pytest_cache

@@ -29,7 +29,7 @@ from hil.data.datamodule import TriplesDataModule  # noqa: E402
 from hil.data.errors import DEBUG_ENV, MissingInputError, UserError, one_line  # noqa: E402
 from hil.data.errors import user_error as _user_error  # noqa: E402
 from hil.data.tokenization import MarkerTokenError  # noqa: E402
-from hil.modeling.callbacks import NonFiniteGuard, NonFiniteLossError, StepReseed  # noqa: E402
+from hil.modeling.callbacks import NonFiniteGuard, NonFiniteLossError, ProgressLines, StepReseed  # noqa: E402
 from hil.modeling.module import RetrieverModule  # noqa: E402
 from hil.paths import resolve_config  # noqa: E402
 
@@ -94,13 +94,16 @@ class HILArgumentParser(LightningArgumentParser):
 
 class HILCLI(LightningCLI):
     """LightningCLI over ``RetrieverModule`` and ``TriplesDataModule``, with every run's callbacks as settings:
-    ``step_reseed`` (per-batch reseeding for exact resume) and ``nonfinite_guard`` (``policy: raise | skip``)."""
+    ``step_reseed`` (per-batch reseeding for exact resume), ``nonfinite_guard`` (``policy: raise | skip``) and
+    ``progress_lines`` (``every_n_seconds``, ``when: auto | always | never``: a progress line every 30 s when stdout
+    is not a terminal, in place of the progress bar, which a file cannot show)."""
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument("--export_dir", type=str, default=None,
                             help="after fit, export the model here (from_pretrained-loadable)")
         parser.add_lightning_class_args(StepReseed, "step_reseed")
         parser.add_lightning_class_args(NonFiniteGuard, "nonfinite_guard")
+        parser.add_lightning_class_args(ProgressLines, "progress_lines")
 
     def parse_arguments(self, parser: LightningArgumentParser, args) -> None:
         super().parse_arguments(parser, args)
@@ -111,6 +114,12 @@ class HILCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         config = self.config.get(self.subcommand) if self.subcommand else self.config
+        # Off a terminal the progress lines replace the bar (whose redraws a file keeps as one endless line), unless
+        # the config asks for the bar itself.
+        lines = config.get("progress_lines")
+        if config["trainer"].get("enable_progress_bar") is None and lines is not None and \
+                ProgressLines(lines.every_n_seconds, lines.when).prints_to(sys.stdout):
+            config["trainer"]["enable_progress_bar"] = False
         # Unless the config names its own loggers, log to TensorBoard and CSV under default_root_dir.
         trainer = config["trainer"]
         if trainer.get("logger") in (None, True):

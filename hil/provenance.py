@@ -1,7 +1,8 @@
 """What made an artifact (package versions, settings, content fingerprints and checksums), and writing artifacts
 so that a crash or a second process never leaves half of one.
 
-Every checkpoint, exported model, index and results file records these (DESIGN: settings travel with artifacts).
+Every checkpoint, exported model, index and results file records these (docs/design.md: settings travel with
+artifacts).
 Writers use :func:`atomic_output` (one file), :func:`atomic_directory` (a folder, renamed into place when
 complete) and :func:`file_lock` (one writer at a time, the others wait); :func:`file_digest` is the checksum
 artifacts record of their files.

@@ -3,7 +3,9 @@ from __future__ import annotations
 import os
 import socket
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
@@ -73,6 +75,60 @@ def run_spawned(worker, world: int = 2, timeout: float = 120.0) -> None:
             for process in context.processes:
                 process.kill()
             pytest.fail(f"spawned gloo workers did not finish in {timeout:.0f} s (a collective hung?)")
+
+
+# Threads of a c10d gloo process group (its worker threads and transport loop) and of the TCPStore server rank 0
+# runs for ``init_method="tcp://..."``: all gone once the group is really destroyed.
+GROUP_THREAD_PREFIXES = ("pt_gloo", "gloo", "pt_tcpstore")
+
+
+def group_threads() -> list[str]:
+    """Names of this process's threads that belong to a process group or its store (Linux; [] elsewhere)."""
+    tasks = Path("/proc/self/task")
+    if not tasks.is_dir():
+        return []
+    names = []
+    for task in tasks.iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+        except OSError:  # the thread ended meanwhile
+            continue
+        if name.startswith(GROUP_THREAD_PREFIXES):
+            names.append(name)
+    return sorted(names)
+
+
+@contextmanager
+def gloo_group(rank: int, world: int, port: int) -> Iterator[None]:
+    """The gloo process group of one ``run_spawned`` worker, torn down so that nothing of it outlives the worker.
+
+    Issue 22, item 9 (a rank aborting with "terminate called without an active exception", SIGABRT, in ~1 run of
+    3): ``torch.distributed.nn`` binds ``group=group.WORLD`` as a default argument of its functions when first
+    imported, and transformers imports it. A worker that imported ``hil.modeling.losses`` after
+    ``init_process_group`` left the live group in those defaults, so ``destroy_process_group`` could not free it:
+    its gloo threads (and rank 0's TCPStore server) ran on into interpreter shutdown, where a gloo thread dropping
+    the tensors of the last collective needs the GIL and aborts the process. Hence, in order:
+
+    - ``torch.distributed.nn`` is imported before the group exists (its defaults stay None);
+    - on success every rank meets at a barrier before tearing down, so no rank closes its connections while a peer
+      still waits in a collective (a failing rank skips it: it must exit at once, ``run_spawned`` stops the rest);
+    - ``destroy_process_group`` always runs, and on success the group's threads must then be gone: a group kept
+      alive by some other reference fails the test here, every time, instead of aborting now and then.
+    """
+    import importlib
+
+    import torch.distributed as dist
+
+    importlib.import_module("torch.distributed.nn")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        yield
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    left = group_threads()
+    assert not left, (f"rank {rank}: the process group outlived destroy_process_group (threads {left} still run): "
+                      f"something still references it")
 
 
 @pytest.fixture

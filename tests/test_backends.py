@@ -10,9 +10,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hil.retrieval.backends.base import CandidateSettings
-from hil.retrieval.backends.registry import BACKENDS, FAISS_KINDS, backend_class, open_backend
-from hil.retrieval.builder import build_index, rebuild_faiss
+from hil.data.errors import UserError
+from hil.retrieval.backends.configs import (INDEX_CONFIGS, SEARCH_CONFIGS, IvfFlatIndexConfig, PlaidIndexConfig,
+                                            PlaidSearchConfig, configs_from_params, with_search_values)
+from hil.retrieval.backends.registry import BACKEND_KINDS, BACKENDS, backend_class, open_backend
+from hil.retrieval.builder import build_index, rebuild_search_structures
 from hil.retrieval.encoding import eval_mode
 from hil.retrieval.search import full_rank
 
@@ -21,10 +23,9 @@ from toys import QUERIES, TwoHeadEncoder, make_encoder, toy_corpus  # noqa: E402
 # Per kind: build parameters, and search settings that look at every token, list, centroid and document.
 EVERYTHING = {
     "flat": ({}, {}),
-    "ivfflat": ({"nlist": 4, "nprobe": 1}, {"nprobe": 4}),
-    "ivfpq": ({"nlist": 4, "m": 4, "nbits": 4, "nprobe": 1}, {"nprobe": 4}),
-    "plaid": ({"n_centroids": 8, "niter": 3, "ndocs": 2, "stage2_docs": 2, "nprobe": 1},
-              {"nprobe": 8, "max_candidates": 50, "stage2_docs": 50}),
+    "ivfflat": ({"nlist": 4}, {"nprobe": 4}),
+    "ivfpq": ({"nlist": 4, "m": 4, "nbits": 4}, {"nprobe": 4}),
+    "plaid": ({"n_centroids": 8, "niter": 3}, {"nprobe": 8, "ndocs": 50, "stage2_docs": 50}),
 }
 
 
@@ -37,12 +38,13 @@ def encoder(hf_tokenizer):
 def indexes(encoder, tmp_path_factory):
     ids, texts = toy_corpus()
     root = tmp_path_factory.mktemp("backends")
-    return {kind: build_index(encoder, ids, texts, root / kind, faiss_kind=kind, faiss_params=params,
+    return {kind: build_index(encoder, ids, texts, root / kind, backend=INDEX_CONFIGS[kind](**params),
                               progress=False) for kind, (params, _) in EVERYTHING.items()}
 
 
-def wide_settings(kind: str, index) -> CandidateSettings:
-    return CandidateSettings(ncandidates=index.n_tokens, **EVERYTHING[kind][1])
+def wide_settings(kind: str, index):
+    wide = {"ncandidates": index.n_tokens} if kind != "plaid" else {}
+    return SEARCH_CONFIGS[kind](**wide, **EVERYTHING[kind][1])
 
 
 def loop_ranking(encoder, index, text: str, k: int) -> list[tuple[str, float]]:
@@ -63,13 +65,13 @@ def loop_ranking(encoder, index, text: str, k: int) -> list[tuple[str, float]]:
 
 
 def test_every_registered_backend_is_covered():
-    assert set(EVERYTHING) == set(BACKENDS) == set(FAISS_KINDS)
+    assert set(EVERYTHING) == set(BACKENDS) == set(BACKEND_KINDS) == set(INDEX_CONFIGS) == set(SEARCH_CONFIGS)
 
 
 @pytest.mark.parametrize("kind", list(EVERYTHING))
 def test_wide_candidates_are_every_document_from_every_head(encoder, indexes, kind):
     index = indexes[kind]
-    assert index.faiss_settings["kind"] == kind and (index.doc_lengths > 0).all()
+    assert index.backend_settings["kind"] == kind and (index.doc_lengths > 0).all()
     backend = open_backend(index, wide_settings(kind, index))
     assert type(backend) is BACKENDS[kind]
     with eval_mode(encoder):
@@ -84,50 +86,77 @@ def test_wide_candidates_are_every_document_from_every_head(encoder, indexes, ki
 @pytest.mark.parametrize("kind", list(EVERYTHING))
 def test_wide_full_rank_equals_the_brute_force_loop(encoder, indexes, kind):
     index = indexes[kind]
-    settings = EVERYTHING[kind][1]
-    result = full_rank(encoder, index, QUERIES, k=10, ncandidates=index.n_tokens, batch_size=4, progress=False,
-                       **settings)
-    assert result.stats["faiss_kind"] == kind and result.stats["candidates_mean"] == index.n_docs
+    result = full_rank(encoder, index, QUERIES, k=10, search=wide_settings(kind, index), batch_size=4,
+                       progress=False)
+    assert result.stats["search"]["backend"] == kind and result.stats["candidates_mean"] == index.n_docs
     for qid, text in QUERIES.items():
-        expected = loop_ranking(encoder, index, text, 10)
+        expected = loop_ranking(encoder, index, text, 10)  # (-score, id) ascending: no ties in these scores
         assert list(result.run[qid]) == [doc for doc, _ in expected], (kind, qid)
         np.testing.assert_allclose(list(result.run[qid].values()), [score for _, score in expected], atol=1e-4)
 
 
-def test_plaid_search_defaults_come_from_the_index(indexes):
+def test_plaid_search_settings_are_the_search_config_and_never_the_index(indexes):
+    """Search-time settings are not part of an index: the defaults are PlaidSearchConfig's, whatever the build."""
     backend = open_backend(indexes["plaid"])
-    assert backend.search_stats() == {"plaid": {"nprobe": 1, "ndocs": 2, "stage2_docs": 2}}
-    overridden = open_backend(indexes["plaid"], CandidateSettings(nprobe=3, max_candidates=5))
-    assert overridden.search_stats() == {"plaid": {"nprobe": 3, "ndocs": 5, "stage2_docs": 2}}
+    assert backend.search == PlaidSearchConfig()
+    assert "nprobe" not in indexes["plaid"].backend_settings["params"]
+    overridden = open_backend(indexes["plaid"], PlaidSearchConfig(nprobe=3, ndocs=5, stage2_docs=7))
+    assert overridden.search_stats() == {"backend": "plaid", "nprobe": 3, "ndocs": 5, "stage2_docs": 7}
 
 
 def test_unknown_kind_is_refused_with_the_known_ones():
-    with pytest.raises(ValueError, match=r"faiss_kind must be one of \('flat', 'ivfflat', 'ivfpq', 'plaid'\), "
-                                         r"got 'hnsw'"):
+    with pytest.raises(UserError, match=r"backend must be one of \('flat', 'ivfflat', 'ivfpq', 'plaid'\), "
+                                        r"got 'hnsw'"):
         backend_class("hnsw")
 
 
 @pytest.mark.parametrize("kind", list(EVERYTHING))
-def test_each_backend_owns_its_parameters(kind):
+def test_each_backend_owns_its_settings(kind):
     backend = backend_class(kind)
-    assert backend.kind == kind and backend.search_time_params <= backend.accepted_params
-    resolved = backend.resolve_params(EVERYTHING[kind][0], n_tokens=2000, dim=16)
-    assert set(resolved) <= backend.accepted_params
-    assert backend.resolve_params(resolved, n_tokens=2000, dim=16) == resolved, "resolving is idempotent"
-    with pytest.raises(ValueError, match="do not apply"):
-        backend.check_params({"no_such_setting": 1})
+    assert backend.kind == kind and backend.index_config is INDEX_CONFIGS[kind]
+    resolved = backend.resolve_params(INDEX_CONFIGS[kind](**EVERYTHING[kind][0]), n_tokens=2000, dim=16)
+    assert set(resolved) <= backend.index_config.field_names()
+    assert backend.resolve_params(INDEX_CONFIGS[kind](**resolved), n_tokens=2000, dim=16) == resolved, \
+        "resolving is idempotent"
+    with pytest.raises(UserError, match="do not apply"):
+        configs_from_params(kind, {"no_such_setting": 1})
+    other = next(config for name, config in INDEX_CONFIGS.items() if name != kind)
+    with pytest.raises(UserError, match="does not configure"):
+        backend.resolve_params(other(), n_tokens=2000, dim=16)
+
+
+def test_untyped_params_split_into_build_and_search_settings():
+    build, search = configs_from_params("plaid", {"n_centroids": 16, "nprobe": 4, "stage2_docs": 9})
+    assert build == PlaidIndexConfig(n_centroids=16) and search == PlaidSearchConfig(nprobe=4, stage2_docs=9)
+    build, search = configs_from_params("ivfpq", {"nlist": 8, "m": 4, "nprobe": 2, "ncandidates": 5})
+    assert build.given() == {"nlist": 8, "m": 4, "seed": 0, "nbits": 8}
+    assert search.values() == {"ncandidates": 5, "max_candidates": None, "nprobe": 2}
+    with pytest.raises(UserError, match=r"\['nprobe'\] do not apply to a 'flat' index"):
+        with_search_values("flat", None, {"nprobe": 3})
+    with pytest.raises(UserError, match="must be an integer >= 1"):
+        PlaidSearchConfig(stage2_docs=0)
+
+
+def test_search_time_params_at_build_time_are_refused(encoder, tmp_path):
+    """An index no longer holds nprobe: accepting it at build time would silently search with another value."""
+    ids, texts = toy_corpus()
+    with pytest.raises(UserError, match=r"\['nprobe'\] are search-time settings"):
+        build_index(encoder, ids, texts, tmp_path / "idx", faiss_kind="ivfflat", faiss_params={"nlist": 4,
+                                                                                              "nprobe": 2},
+                    progress=False)
+    assert not (tmp_path / "idx").exists()
 
 
 def test_switching_kinds_leaves_only_the_new_kinds_files(encoder, tmp_path):
     ids, texts = toy_corpus()
-    index = build_index(encoder, ids, texts, tmp_path / "idx", faiss_kind="plaid",
-                        faiss_params=EVERYTHING["plaid"][0], progress=False)
+    index = build_index(encoder, ids, texts, tmp_path / "idx", backend=PlaidIndexConfig(**EVERYTHING["plaid"][0]),
+                        progress=False)
     base = {"index.json", "doc_ids.json", "doc_offsets.npy", "token_ids.npy", "a.embeddings.npy",
             "b.embeddings.npy"}
     plaid = {f"{h}.{name}.npy" for h in "ab" for name in ("centroids", "codes", "ivf_offsets", "ivf_docs")}
     files = lambda: {path.name for path in index.directory.iterdir()}  # noqa: E731
     assert files() == base | plaid, "no temporary file is left behind"
-    index = rebuild_faiss(index, "ivfflat", EVERYTHING["ivfflat"][0], progress=False)
+    index = rebuild_search_structures(index, IvfFlatIndexConfig(**EVERYTHING["ivfflat"][0]), progress=False)
     assert files() == base | {"a.faiss", "b.faiss"}
-    index = rebuild_faiss(index, "flat", progress=False)
+    index = rebuild_search_structures(index, "flat", progress=False)
     assert files() == base

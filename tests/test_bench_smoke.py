@@ -1,9 +1,14 @@
-"""The benchmark's own arithmetic and plumbing (bench/run.py, bench/measure.py), on tiny inputs; no timings asserted."""
+"""The benchmark's own arithmetic and plumbing (bench/run.py, bench/sections/, bench/measure.py), on tiny inputs; no
+timings asserted."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import re
+import shlex
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -58,17 +63,64 @@ def test_percentiles_and_peak(measure):
     assert measure.peak_rss_mb() > 10
 
 
+def config(bench, *argv: str):
+    return bench.make_config(bench.build_parser().parse_args(list(argv)))
+
+
 def test_quick_plan_covers_sections_without_peer_or_growth(bench):
-    cfg = bench.make_config(bench.build_parser().parse_args(["--quick", "--index-variants", "flat,plaid-r2"]))
-    labels = [label for label, _, _ in bench.plan(cfg)]
+    cfg = config(bench, "--quick", "--index-variants", "flat,plaid-r2")
+    labels = [job.label for job in bench.plan(cfg)]
     assert labels[0] == "peak" and "encode" in labels
     assert {"index:flat", "index:plaid-r2", "search:exact", "search:bm25", "search:plaid-r2"} <= set(labels)
     assert not any(label.startswith(("growth", "peer")) for label in labels)
-    assert cfg["docs"] == 256 and cfg["name"].endswith("-quick")
+    assert cfg.common.docs == 256 and cfg.run.name.endswith("-quick") and cfg.encode.docs == 64
+    assert cfg.train.models == ("bert-tiny-splade",) and cfg.memory.chunks == (64, 256)
     with pytest.raises(SystemExit, match="unknown"):
-        bench.plan({**cfg, "sections": "peak,nope"})
+        config(bench, "--sections", "peak,nope")
     with pytest.raises(SystemExit, match="unknown index"):
-        bench.make_config(bench.build_parser().parse_args(["--index-variants", "bogus"]))
+        config(bench, "--index-variants", "bogus")
+
+
+def test_plan_of_every_section(bench):
+    cfg = config(bench, "--index-variants", "flat,plaid", "--train-models", "a,b/c", "--train-archs", "colbert",
+                 "--growth", "1,4", "--memory-chunks", "8", "--export", "runs/x/export")
+    labels = [job.label for job in bench.plan(cfg)]
+    assert labels == ["peak", "encode", "index:flat", "index:plaid", "search:bm25", "search:exact", "search:plaid",
+                      "search:v1", "search:export-exact", "search:export-plaid", "train:colbert:a",
+                      "train:colbert:c", "growth:x1", "growth:x4", "peer", "memory:chunk8"]
+    jobs = {job.label: job for job in bench.plan(cfg)}
+    assert (jobs["train:colbert:c"].train_model, jobs["growth:x4"].factor, jobs["memory:chunk8"].chunk) == \
+        ("b/c", 4, 8)
+    assert [j.label for j in bench.plan(config(bench, "--growth", "", "--sections", "growth,peak"))] == ["peak"]
+
+
+def test_options_are_typed_and_travel_to_the_child_unchanged(bench):
+    from sections.config import config_from_dict
+    from sections.options import Job, job_json
+
+    cfg = config(bench, "--plaid-params", '{"nbits": 2}', "--nprobe", "4", "--memory-chunks", "64,512",
+                 "--encode-variants", "fp32,onnx-int8", "--section-timeout", "30", "--threads", "3")
+    assert cfg.index.plaid_params == {"nbits": 2} and cfg.search.nprobe == 4 and cfg.run.section_timeout == 30.0
+    assert cfg.common.threads == 3 and cfg.common.k == 100 and cfg.growth.factors == (1, 4, 16)
+    assert cfg.memory.chunks == (64, 512) and cfg.encode.variants == ("fp32", "onnx-int8")
+    assert cfg.search.options() == {"nprobe": 4}  # the search-time settings given, in full_rank's names
+    job = Job("growth:x4", "growth", factor=4)
+    payload = json.loads(job_json(cfg, job))
+    assert config_from_dict(payload["config"]) == cfg and Job(**payload["job"]) == job
+    assert cfg.record()["search"]["nprobe"] == 4  # the results JSON records every option by section
+
+
+def test_every_command_of_the_readme_parses(bench):
+    """The flags bench/README.md shows in its commands are the parser's (and the Makefile's plain run)."""
+    readme = (REPO / "bench" / "README.md").read_text()
+    commands = [line.split("#")[0] for line in readme.splitlines() if line.startswith("python bench/run.py")]
+    commands += re.findall(r"`(python bench/run\.py [^`]+)`", readme.replace("\n", " "))
+    commands = [command for command in commands if "--help" not in command.split()]
+    assert len(commands) >= 8
+    for command in commands:
+        cfg = config(bench, *shlex.split(command.replace("<export dir>", "export"))[2:])
+        assert cfg.run.sections
+    assert "bench/run.py" in (REPO / "Makefile").read_text()
 
 
 def test_table_formats_every_section(bench):
@@ -81,7 +133,8 @@ def test_table_formats_every_section(bench):
                        "disk_bytes_per_token": 260.0, "peak_rss_mb": 500.0, "encode": {"peak_rss_mb": 400.0},
                        "n_tokens": 1000},
         "search:plaid": {"p50_ms": 20.0, "p95_ms": 40.0, "ndcg10": 0.68, "queries": 300, "candidates_mean": 256.0,
-                         "peak_rss_mb": 600.0},
+                         "peak_rss_mb": 600.0, "ndcg10_vs_exact": {"mean_diff": -0.002, "ci95": [-0.01, 0.006],
+                                                                   "p_value": 0.3, "queries": 300}},
         "search:exact": {"ndcg10": 0.682, "ms_per_query_batched": 50.0, "queries": 300},
         "train:colbert:tiny": {"triples_per_s": 12.0, "batch": 32, "s_per_step": 2.6, "steps_timed": 3,
                                "peak_rss_mb": 900.0},
@@ -94,8 +147,33 @@ def test_table_formats_every_section(bench):
     }
     text = bench.table(results)
     for expected in ("120.0 GFLOP/s", "20.0 docs/s", "66% of peak", "10.0 s build", "p50 20.0 ms", "0.6800",
-                     "12.00 triples/s", "growth x4", "not run", "ERROR", "memory chunk_docs=64"):
+                     "12.00 triples/s", "growth x4", "not run", "ERROR", "memory chunk_docs=64",
+                     "-0.0020 vs exact, 95% CI [-0.0100, +0.0060], p 0.30)", "vs exact: paired bootstrap test"):
         assert expected in text, expected
+
+
+def test_search_variants_against_exact_are_one_family(bench):
+    from sections.search import adjust_vs_exact
+
+    from hil.evaluation.statistics import holm_adjusted
+
+    def compared(p: float) -> dict:
+        return {"p50_ms": 1.0, "p95_ms": 2.0, "ndcg10": 0.5, "queries": 10, "peak_rss_mb": 1.0,
+                "ndcg10_vs_exact": {"mean_diff": 0.01, "ci95": [0.0, 0.02], "p_value": p, "queries": 10}}
+
+    results = {"search:exact": {"ndcg10": 0.5, "queries": 10}, "search:plaid": compared(0.01),
+               "search:plaid-r2": compared(0.04), "search:v1": {"p50_ms": 1.0, "p95_ms": 2.0, "queries": 5,
+                                                                 "peak_rss_mb": 1.0},
+               "index:plaid": {"ndcg10_vs_exact": {"p_value": 0.001}}, "search:ivfpq": compared(0.02)}
+    adjust_vs_exact(results, "holm")
+    family = [results[label]["ndcg10_vs_exact"] for label in ("search:plaid", "search:plaid-r2", "search:ivfpq")]
+    assert [row["p_value_adjusted"] for row in family] == pytest.approx(holm_adjusted([0.01, 0.04, 0.02]))
+    assert "p_value_adjusted" not in results["index:plaid"]["ndcg10_vs_exact"]  # not a search row
+    text = bench.table({k: v for k, v in results.items() if not k.startswith("index")})
+    assert "p 0.01, holm 0.03)" in text and "Holm-Bonferroni" in text and "3 comparisons" in text
+    adjust_vs_exact(results, "none")
+    assert results["search:plaid"]["ndcg10_vs_exact"]["p_value_adjusted"] == 0.01
+    assert "holm" not in bench.table({"search:plaid": results["search:plaid"]})
 
 
 def test_tiled_index_repeats_documents_with_new_ids(bench, tiny_random_colbert, tmp_path):
@@ -104,7 +182,9 @@ def test_tiled_index_repeats_documents_with_new_ids(bench, tiny_random_colbert, 
 
     ids, texts = ["a", "b", "c"], ["gene therapy", "brain tumor, mouse", "vaccine"]
     base = build_index(tiny_random_colbert, ids, texts, tmp_path / "base", progress=False)
-    tiled = bench._tiled_index(base, 3, tmp_path / "x3")
+    from sections.growth import tiled_index
+
+    tiled = tiled_index(base, 3, tmp_path / "x3")
     assert tiled.n_docs == 9 and tiled.n_tokens == 3 * base.n_tokens
     assert tiled.doc_ids[:4] == ["a", "b", "c", "a#1"]
     for r in range(3):
@@ -117,8 +197,9 @@ def test_tiled_index_repeats_documents_with_new_ids(bench, tiny_random_colbert, 
 
 
 def test_peak_section_runs_as_a_child(bench):
-    cfg = bench.make_config(bench.build_parser().parse_args(["--peak-size", "64", "--peak-repeats", "2",
-                                                             "--threads", "1"]))
-    result = bench.run_child("peak", cfg, timeout=120)
+    from sections.options import Job
+
+    cfg = config(bench, "--peak-size", "64", "--peak-repeats", "2", "--threads", "1")
+    result = bench.run_child(Job("peak", "peak"), cfg, timeout=120)
     assert "error" not in result, result
     assert result["matmul_fp32_gflops"]["best"] > 0 and result["wall_s"] > 0

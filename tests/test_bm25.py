@@ -53,17 +53,19 @@ def test_scores_match_the_formula(texts, queries, k1_b):
         expected = reference_bm25(corpus_tokens, query_tokens, k1, b) if any(corpus_tokens) else {}
         assert {doc_id: score for doc_id, score in got} == pytest.approx(
             {f"d{i}": score for i, score in expected.items()}, rel=1e-5)
-        # Best first, ties in corpus order.
-        keys = [(-score, int(doc_id[1:])) for doc_id, score in got]
-        assert keys == sorted(keys)
+        # Best first, ties by document id descending (trec_eval's order).
+        keys = [(score, doc_id) for doc_id, score in got]
+        assert keys == sorted(keys, reverse=True)
 
 
 def test_top_k_cut_and_tie_order():
     index = BM25Index.build(["a", "b", "c", "d"], ["cat", "dog", "cat", "cat fish fish"])
     hits = index.search(["cat"], k=2)[0]
-    assert [doc_id for doc_id, _ in hits] == ["a", "c"]  # a and c tie above the longer d; a first
+    assert [doc_id for doc_id, _ in hits] == ["c", "a"]  # a and c tie above the longer d; c first (id descending)
     assert hits[0][1] == hits[1][1]
-    assert [doc_id for doc_id, _ in index.search(["cat"], k=10)[0]] == ["a", "c", "d"]
+    assert [doc_id for doc_id, _ in index.search(["cat"], k=10)[0]] == ["c", "a", "d"]
+    # the query's own document is skipped before the cut (BEIR's k + 1 rule): k others are ranked
+    assert [doc_id for doc_id, _ in index.search(["cat"], k=2, query_ids=["c"])[0]] == ["a", "d"]
     assert index.search(["cat"], k=0) == [[]]
     with pytest.raises(ValueError):
         index.search(["cat"], k=-1)

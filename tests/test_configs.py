@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from nway_examples import write_nway_examples
+
 from hil.cli import train_main
 from hil.data.beir import load_beir
 from hil.evaluation.evaluate import EvaluationSettings, evaluate
@@ -25,7 +27,8 @@ REPO = Path(__file__).resolve().parents[1]
 VARIANTS = sorted(p.stem for p in (REPO / "configs" / "variants").glob("*.yaml"))
 CONFIGS = ["colbert", *VARIANTS]  # the base config alone is ColBERT
 AUTHORS = [name for name in VARIANTS if name.endswith("_authors")]  # issue 13: the HIL authors' released recipes
-LEGACY = [name for name in CONFIGS if name not in AUTHORS]           # the configs 21203ed had
+DISTILLED = [name for name in VARIANTS if "distill" in name]         # issue 22: trained from n-way examples
+LEGACY = [name for name in CONFIGS if name not in AUTHORS + DISTILLED]  # the configs 21203ed had
 # `train.py fit --config <config> [--config <preset>] --print_config` of every config as main resolved it at commit
 # 21203ed, before configs became a base plus deltas (each variant then a full copy of configs/colbert.yaml).
 BEFORE = json.loads((REPO / "tests" / "fixtures" / "print_config_21203ed.json").read_text())
@@ -36,6 +39,9 @@ PAPER_LAMBDAS = {  # HIL Appendix A.3
 }
 HIL_ABLATIONS = {"colbert_hil": (True, True), "colbert_hil_no_reg_l": (False, True),
                  "colbert_hil_no_reg_h": (True, False), "colbert_hil_no_reg": (False, False)}
+ISSUE_22_DATA_DEFAULTS = {"nway_examples": None, "run": None, "pylate": None, "nway": None, "qrels": None,
+                          "run_depth": None, "run_selection": "top", "run_positives": "none",
+                          "run_targets": "scores", "relevance_level": 1, "short_queries": "error"}
 REGULARIZER_KINDS = {None: "none", "hil.isotropy.regularizers.InterIsoRegularizer": "interiso",
                      "hil.isotropy.regularizers.CosRegRegularizer": "cosreg",
                      "hil.isotropy.regularizers.IStarRegularizer": "istar"}
@@ -64,6 +70,16 @@ def as_before(new: dict) -> dict:
     model, data = new.pop("model"), new.pop("data")
     # Added since (issue 14): the id-triples layout and the line-offsets cache folder, unset by every config.
     assert [data.pop(k) for k in ("id_triples", "queries", "collection", "cache_dir")] == [None] * 4
+    # Added since (issue 22): n-way / distillation sources, unset by every triples config (their defaults choose
+    # nothing: the source is `triples`).
+    assert {k: data.pop(k) for k in ISSUE_22_DATA_DEFAULTS} == ISSUE_22_DATA_DEFAULTS
+    # Added since (issue 22): the objective's further terms and GradCache, unset; every loss got a `weight`
+    # (1: the objective is the loss as it was; tests/test_terms.py checks the N = 2 training is bit-identical).
+    assert (model.pop("terms"), model.pop("gradcache_chunk_size")) == (None, None)
+    assert model["loss"].setdefault("init_args", {}).pop("weight") == 1.0
+    if not model["loss"]["init_args"]:
+        del model["loss"]["init_args"]
+    new.pop("progress_lines", None)  # added since (train.py's progress-line callback), not a training setting
     assert new.pop("step_reseed") == {"seed": None}
     # Deliberate changes since (issue 13, ColBERT v1's conventions): clipping at 2.0, [MASK] padding not attended,
     # BERT-style head init. Checked here, then set back to what 21203ed had.
@@ -118,10 +134,31 @@ def test_variant_configs_are_short_deltas():
         assert len(lines) <= 15, (name, len(lines))
 
 
+def test_distilled_configs_train_from_nway_examples_with_a_kl_term():
+    """Issue 22: the distilled deltas select the KL term and an n-way source; the isotropy family on top is a
+    regularizer (ColBERT) or ColBERT-HIL's own term beside the KL on each head."""
+    assert set(DISTILLED) == {"colbert_distill", "colbert_distill_iso", "colbert_distill_aniso", "colbert_hil_distill"}
+    regularizers = {"colbert_distill": None, "colbert_distill_iso": 0.4, "colbert_distill_aniso": -0.1,
+                    "colbert_hil_distill": None}
+    for name in DISTILLED:
+        resolved = print_config(config_args(name))
+        model, data = resolved["model"], resolved["data"]
+        assert model["loss"]["class_path"] == "hil.modeling.losses.KLDistillation", name
+        assert data["triples"] is None and data["nway_examples"] and data["queries"] and data["collection"], name
+        weight = regularizers[name]
+        assert (model["regularizer"] or {}).get("init_args", {}).get("weight") == weight, name
+    model = print_config(config_args("colbert_hil_distill"))["model"]
+    assert model["encoder"]["class_path"] == "hil.modeling.hil.HILEncoder"
+    assert model["loss"]["init_args"]["heads"] == "each"
+    assert model["terms"] == [{"class_path": "hil.modeling.terms.HILIsotropy",
+                               "init_args": {"weight": -0.3, "reg_l": True, "reg_h": True}}]
+
+
 def test_authors_configs_select_the_released_code():
     """docs/fidelity.md's "authors' code" column, as the CLI resolves it."""
     model = print_config(config_args("colbert_hil_authors"))["model"]
-    assert model["loss"] == {"class_path": "hil.modeling.losses.HILAuthorsLoss", "init_args": {"reg_weight": -0.3}}
+    assert model["loss"] == {"class_path": "hil.modeling.losses.HILAuthorsLoss",
+                             "init_args": {"reg_weight": -0.3, "weight": 1.0}}
     settings = model["encoder"]["init_args"]
     assert {k: settings[k] for k in ("query_maxlen", "doc_maxlen", "lexical_input", "idf_formula",
                                      "lexical_query_tokens", "zscore_std", "zscore_eval", "attend_to_mask_tokens")} == {
@@ -155,13 +192,15 @@ def scifact_slice(shared_dir):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, shared_dir):
-    """Train a config once per module (2 steps, smoke preset) and return its export directory."""
+    """Train a config once per module (2 steps, smoke preset; the distilled ones from a small n-way file) and
+    return its export directory."""
     exports: dict[str, Path] = {}
 
     def train(name: str) -> Path:
         if name not in exports:
             root = tmp_path_factory.mktemp(name)
-            cli = train_main(["fit", *config_args(name, "smoke"),
+            data = write_nway_examples(root) if name in DISTILLED else []
+            cli = train_main(["fit", *config_args(name, "smoke"), *data,
                               "--trainer.default_root_dir", str(root), "--trainer.logger", "false",
                               "--trainer.max_steps", "2", "--trainer.enable_checkpointing", "false",
                               "--trainer.callbacks", "[]", "--data.max_triples", "8", "--data.batch_size", "4",
@@ -187,7 +226,7 @@ def test_config_trains_exports_and_evaluates(name, trained, scifact_slice, tmp_p
     encoder = load_encoder(trained(name))
     settings = encoder.settings()
     assert (settings["query_maxlen"], settings["doc_maxlen"]) == (16, 48)  # the smoke preset applied on top
-    if name in HIL_ABLATIONS or name == "colbert_hil_authors":
+    if name in HIL_ABLATIONS or name in ("colbert_hil_authors", "colbert_hil_distill"):
         assert encoder.head_names == ("L", "H")
         assert encoder.has_idf, "IDF is computed at setup and exported with the model"
         assert int(encoder.zscore["L"].updates) == 2

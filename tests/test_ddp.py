@@ -21,9 +21,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from conftest import run_spawned
+from conftest import gloo_group, run_spawned
 
 from hil.modeling.distributed import gather_encoded, gather_padded, is_distributed
 from hil.modeling.losses import in_batch_ce_loss
@@ -90,8 +89,7 @@ def _reference(ranks):
 
 
 def _gather_worker(rank: int, world: int, port: int) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
+    with gloo_group(rank, world, port):
         torch.set_num_threads(1)
         ranks = make_global_batch()
         ref_docs, ref_mask, ref_losses, ref_q_grads, ref_d_grads = _reference(ranks)
@@ -119,8 +117,6 @@ def _gather_worker(rank: int, world: int, port: int) -> None:
         assert float(d.grad.abs().sum()) > 0
 
         assert is_distributed()
-    finally:
-        dist.destroy_process_group()
 
 
 def test_gather_padded_and_cross_rank_in_batch_loss_match_one_process():
@@ -131,8 +127,7 @@ def _moments_worker(rank: int, world: int, port: int) -> None:
     from hil.modeling.distributed import pooled_moments
     from hil.modeling.hil_scoring import batch_moments
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
+    with gloo_group(rank, world, port):
         generator = torch.Generator().manual_seed(7)
         xs = [torch.randn(3 + r, 5, generator=generator) * (1 + r) + r for r in range(world)]
         masks = [torch.rand(x.shape, generator=generator) > 0.3 for x in xs]
@@ -141,8 +136,6 @@ def _moments_worker(rank: int, world: int, port: int) -> None:
                                           torch.cat([m.reshape(-1) for m in masks]), eps=1e-6)
         torch.testing.assert_close(mean, ref_mean, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(std, ref_std, atol=1e-5, rtol=1e-5)
-    finally:
-        dist.destroy_process_group()
 
 
 def test_pooled_moments_are_the_global_batch_moments_on_every_rank():

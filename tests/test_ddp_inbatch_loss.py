@@ -16,9 +16,8 @@ import math
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from conftest import run_spawned
+from conftest import gloo_group, run_spawned
 
 QUERIES_PER_RANK = (3, 2)   # uneven on purpose
 DOC_LENGTHS = (5, 7)        # rank 1's documents are longer than rank 0's
@@ -106,8 +105,7 @@ class LateInteraction:
 
 
 def _worker(rank: int, world: int, port: int) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
+    with gloo_group(rank, world, port):
         torch.set_num_threads(1)
         from hil.modeling.contracts import EncodedBatch
         from hil.modeling.losses import InBatchCE, TripleBatch
@@ -131,8 +129,6 @@ def _worker(rank: int, world: int, port: int) -> None:
         out.loss.backward()
         torch.testing.assert_close(q.grad, ref_q_grads[rank], rtol=1e-4, atol=1e-6)
         torch.testing.assert_close(d.grad, ref_d_grads[rank], rtol=1e-4, atol=1e-6)
-    finally:
-        dist.destroy_process_group()
 
 
 def test_reference_itself_is_the_one_process_in_batch_loss():

@@ -167,6 +167,7 @@ def test_cli_evaluates_a_set_with_outside_judgments(small_set, tmp_path, caplog)
 
 # -- on a GPU (skipped here) ------------------------------------------------------------------------------------
 
+@pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
 def test_gpu_evaluation_ranks_as_the_cpu_does(tiny_random_colbert, small_set, tmp_path, precision):
@@ -181,6 +182,7 @@ def test_gpu_evaluation_ranks_as_the_cpu_does(tiny_random_colbert, small_set, tm
     tiny_random_colbert.cpu()
 
 
+@pytest.mark.gpu
 @needs_gpu
 def test_faiss_gpu_search_when_faiss_gpu_is_installed(tiny_random_colbert, small_set, tmp_path):
     if devices.faiss_gpu_count() == 0:
@@ -192,6 +194,7 @@ def test_faiss_gpu_search_when_faiss_gpu_is_installed(tiny_random_colbert, small
     tiny_random_colbert.cpu()
 
 
+@pytest.mark.gpu
 @needs_two_gpus
 def test_second_gpu(tiny_random_colbert, small_set):
     settings = EvaluationSettings(mode="exhaustive", index_root=None, progress=False, k=10, device="cuda:1")
@@ -200,6 +203,7 @@ def test_second_gpu(tiny_random_colbert, small_set):
     tiny_random_colbert.cpu()
 
 
+@pytest.mark.gpu
 @needs_gpu
 def test_plaid_structures_built_on_faiss_gpu(tiny_random_colbert, small_set, tmp_path):
     if devices.faiss_gpu_count() == 0:

@@ -115,8 +115,10 @@ def test_rank_matrix_against_sorting():
     doc_ids = ["d0", "d1", "d2", "d3", "d4", "d5"]
     scores = np.array([[0.1, 0.9, 0.5, 0.9, 0.0, 0.3], [1.0, 2.0, 3.0, 4.0, 5.0, 6.0], [0, 0, 0, 0, 0, 0.0]])
     run = rank_matrix(scores, ["q1", "q2", "q3"], doc_ids, k=3)
-    assert list(run["q1"]) == ["d1", "d3", "d2"]  # tie at 0.9 broken by id
-    assert list(run["q2"]) == ["d5", "d4", "d3"] and list(run["q3"]) == ["d0", "d1", "d2"]
+    assert list(run["q1"]) == ["d3", "d1", "d2"]  # tie at 0.9 broken by id, descending (trec_eval)
+    assert list(run["q2"]) == ["d5", "d4", "d3"] and list(run["q3"]) == ["d5", "d4", "d3"]
+    skipped = rank_matrix(scores, ["d3", "q2"], doc_ids, k=3, skip_self=True)
+    assert list(skipped["d3"]) == ["d1", "d2", "d5"], "the query's own document is skipped; 3 others ranked"
     rerun = rank_matrix(scores, ["q1", "q2", "q3"], doc_ids, k=3, candidates={"q1": ["d0", "d4"], "q2": []})
     assert list(rerun["q1"]) == ["d0", "d4"] and rerun["q2"] == {} and rerun["q3"] == {}
 

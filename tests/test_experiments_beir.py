@@ -23,6 +23,8 @@ from scipy import stats as scipy_stats
 
 import hil.experiments.beir as beir
 from hil.evaluation.statistics import bootstrap_ci, stratified_bootstrap_ci
+import hil.evaluation.runner as runner
+from hil.evaluation.runner import column_name
 from hil.experiments.beir_sets import CQADUPSTACK_FORUMS, select
 from hil.experiments.beir_table import Cell, average_row, forum_mean, relative_change
 
@@ -243,10 +245,11 @@ def test_resume_skips_finished_pairs_and_recomputes_one_whose_settings_changed(s
     out = tmp_path / "out"
     shutil.copytree(sweep["out"], out)
     calls: list[str] = []
-    real_evaluate, real_bm25 = beir.evaluate, beir.evaluate_bm25
-    monkeypatch.setattr(beir, "evaluate", lambda encoder, dataset, settings, **kw: calls.append(kw["name"]) or
+    real_evaluate, real_bm25 = runner.evaluate, runner.evaluate_bm25
+    monkeypatch.setattr(runner, "evaluate", lambda encoder, dataset, settings, **kw: calls.append(kw["name"]) or
                         real_evaluate(encoder, dataset, settings, **kw))
-    monkeypatch.setattr(beir, "evaluate_bm25", lambda dataset, **kw: calls.append("bm25") or real_bm25(dataset, **kw))
+    monkeypatch.setattr(runner, "evaluate_bm25", lambda dataset, **kw: calls.append("bm25") or
+                        real_bm25(dataset, **kw))
     args = [a if a != str(sweep["out"]) else str(out) for a in sweep["args"]]
     assert beir.main(args) == 0
     assert calls == []
@@ -380,4 +383,4 @@ def test_selection_uses_local_forums_and_refuses_unknown_names(tmp_path):
     assert hub.parts == {"scifact": ("scifact",)} and hub.local == {}
     with pytest.raises(ValueError, match="unknown dataset 'sci-fact'"):
         select("sci-fact", tmp_path)
-    assert beir.column_name("runs/hil/export") == "hil" and beir.column_name("ckpts/last.ckpt") == "last"
+    assert column_name("runs/hil/export") == "hil" and column_name("ckpts/last.ckpt") == "last"

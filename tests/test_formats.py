@@ -224,3 +224,33 @@ def test_init_from_refuses_other_marker_tokens(tmp_path, backbone):
     colbert = ColBERTEncoder(backbone, dim=24)
     with pytest.raises(ModelFormatError, match=r"model.encoder.init_args.query_marker is '\[unused0\]'"):
         initial_state(colbert, str(folder))
+
+
+def test_stanford_export_keeps_every_non_default_setting(tmp_path, backbone):
+    """Issue 24: a ColBERT with mask_punctuation False (and every other setting off its default) exported and read
+    back through its Stanford files alone keeps each setting and its scores; the punctuation setting does move
+    these documents' scores, so writing Stanford's default instead could not pass."""
+    import shutil
+
+    torch.manual_seed(5)
+    settings = {"dim": 20, "query_maxlen": 10, "doc_maxlen": 30, "mask_punctuation": False,
+                "attend_to_mask_tokens": True}
+    encoder = ColBERTEncoder(backbone, **settings).eval()
+    expected = ours(encoder)
+    masked = ColBERTEncoder(backbone, **{**settings, "mask_punctuation": True}).eval()
+    masked.load_state_dict(encoder.state_dict())
+    assert (ours(masked) - expected).abs().max() > 1e-3, "the documents' punctuation must matter"
+
+    folder = export_model(encoder, tmp_path / "export")
+    metadata = json.loads((folder / "artifact.metadata").read_text())
+    assert {key: metadata[key] for key in settings} == settings
+    stanford_only = tmp_path / "stanford-only"
+    shutil.copytree(folder, stanford_only)
+    for ours_only in ("hil_config.json", "hil_heads.pt"):
+        (stanford_only / ours_only).unlink()
+    assert model_layout(stanford_only) == "stanford"
+    wanted = {key: value for key, value in encoder.settings().items() if key != "backbone"}
+    for reimported in (load_encoder(folder, layout="stanford"), load_encoder(stanford_only)):
+        assert {key: value for key, value in reimported.settings().items() if key != "backbone"} == wanted
+        assert torch.equal(ours(reimported), expected)
+    assert_scores_match(stanford_reference(stanford_only, QUERIES, DOCS), expected)  # read the Stanford way, by hand

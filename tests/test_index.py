@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from hil.retrieval.backends.configs import INDEX_CONFIGS, IvfSearchConfig
 from hil.retrieval.backends.registry import open_backend
 from hil.retrieval.builder import build_index, open_or_build_index
 from hil.retrieval.encoding import encode_document_tokens, eval_mode
@@ -68,7 +69,7 @@ def test_build_load_roundtrip_matches_encoder(tiny_random_colbert, corpus, tmp_p
     assert meta["settings"]["dim"] == encoder.dim and meta["n_docs"] == 50 and meta["heads"] == ["colbert"]
     assert meta["encoder_fingerprint"] == encoder_fingerprint(encoder)
     assert meta["corpus_fingerprint"] == fingerprint_corpus(ids, texts)
-    assert "versions" in meta and meta["faiss"]["kind"] == "flat"
+    assert "versions" in meta and meta["backend"]["kind"] == "flat"
     assert not (tmp_path / "idx" / "chunks").exists() and not (tmp_path / "idx.tmp-build").exists()
     assert index.n_tokens == loaded.n_tokens
 
@@ -186,20 +187,20 @@ def test_open_or_build_reuses_then_rebuilds(tiny_random_colbert, corpus, tmp_pat
     assert rebuilt.n_docs == 12 and rebuilt.corpus_fingerprint == fingerprint_corpus(ids[:12], texts[:12])
     ivf = open_or_build_index(encoder, ids[:12], texts[:12], tmp_path / "idx", faiss_kind="ivfflat",
                               faiss_params={"nlist": 2}, progress=False)
-    assert ivf.faiss_settings["kind"] == "ivfflat" and (tmp_path / "idx" / "colbert.faiss").is_file()
+    assert ivf.backend_settings["kind"] == "ivfflat" and (tmp_path / "idx" / "colbert.faiss").is_file()
     np.testing.assert_array_equal(ivf.token_ids, rebuilt.token_ids)
 
 
-@pytest.mark.parametrize("kind, params", [("ivfpq", {"nlist": 4, "m": 4, "nbits": 4, "nprobe": 4}),
-                                          ("ivfflat", {"nlist": 4, "nprobe": 4})])
+@pytest.mark.parametrize("kind, params", [("ivfpq", {"nlist": 4, "m": 4, "nbits": 4}),
+                                          ("ivfflat", {"nlist": 4})])
 def test_ivf_indexes_build_and_search(tiny_random_colbert, corpus, tmp_path, kind, params):
     encoder = tiny_random_colbert
     ids, texts = corpus
-    index = build_index(encoder, ids, texts, tmp_path / "idx", faiss_kind=kind, faiss_params=params, progress=False)
+    index = build_index(encoder, ids, texts, tmp_path / "idx", backend=INDEX_CONFIGS[kind](**params), progress=False)
     assert index.n_tokens >= 39 * params["nlist"], "enough training points for the chosen nlist"
     assert (tmp_path / "idx" / "colbert.faiss").is_file()
     loaded = TokenIndex.load(tmp_path / "idx")
-    ann = open_backend(loaded).faiss_index("colbert")
+    ann = open_backend(loaded, IvfSearchConfig(nprobe=4)).faiss_index("colbert")
     assert ann.ntotal == loaded.n_tokens
     queries = np.ascontiguousarray(loaded.embeddings["colbert"][:5].astype(np.float32))
     sims, hits = ann.search(queries, 3)
@@ -229,8 +230,8 @@ def test_bad_inputs_are_refused(tiny_random_colbert, tmp_path):
         build_index(encoder, ["a", "a"], ["x", "y"], tmp_path / "i1", progress=False)
     with pytest.raises(ValueError, match="2 doc_ids but 1 texts"):
         build_index(encoder, ["a", "b"], ["x"], tmp_path / "i2", progress=False)
-    with pytest.raises(ValueError, match="faiss_kind"):
-        build_index(encoder, ["a"], ["x"], tmp_path / "i3", faiss_kind="hnsw", progress=False)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        build_index(encoder, ["a"], ["x"], tmp_path / "i3", backend="hnsw", progress=False)
     with pytest.raises(ValueError, match="nbits"):
         build_index(encoder, ["a"], ["x"], tmp_path / "i4", faiss_kind="ivfflat", faiss_params={"nbits": 4},
                     progress=False)

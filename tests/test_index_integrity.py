@@ -177,7 +177,7 @@ def test_open_or_build_rebuilds_a_damaged_or_unverifiable_index_and_says_so(tiny
 
 
 def test_search_structure_files_are_recorded_and_checked(built):
-    ivf = rebuild_faiss(built, "ivfflat", {"nlist": 2, "nprobe": 2}, progress=False)
+    ivf = rebuild_faiss(built, "ivfflat", {"nlist": 2}, progress=False)
     assert "colbert.faiss" in ivf.meta["files"]
     assert TokenIndex.load(ivf.directory, verify="full").verified == "full"  # re-recorded after the rebuild
     alter_bytes(ivf.directory / "colbert.faiss")
@@ -212,7 +212,7 @@ def test_the_issue_case_nan_bytes_of_the_same_size(tiny_random_colbert, built, q
 def test_nan_rows_found_by_exact_scoring_name_the_queries(tiny_random_colbert, built, queries, corpus):
     """An IVF index keeps its own copy of the vectors, so candidates come out fine; exact scoring of a damaged
     document must then refuse to rank, naming the queries that reached it."""
-    index = rebuild_faiss(built, "ivfflat", {"nlist": 2, "nprobe": 2}, progress=False)
+    index = rebuild_faiss(built, "ivfflat", {"nlist": 2}, progress=False)
     doc = 5
     write_nan_rows(embeddings_file(index), slice(int(index.doc_offsets[doc]), int(index.doc_offsets[doc + 1])))
     index = TokenIndex.load(index.directory, verify="sizes")

@@ -10,7 +10,7 @@ from conftest import random_bert
 
 from hil.isotropy.metrics import inter_iso
 from hil.isotropy.regularizers import CosRegRegularizer, InterIsoRegularizer
-from hil.modeling import losses
+from hil.modeling import batch as batch_module
 from hil.modeling.encoder import ColBERTEncoder
 from hil.modeling.hil import HILEncoder
 from hil.modeling.losses import (HILLoss, InBatchCE, PairwiseCE, TripleBatch, in_batch_ce_loss, pair_diagnostics,
@@ -154,7 +154,7 @@ def test_module_adds_the_regularizer_to_the_loss_and_logs_inter_iso_once(colbert
         calls.append(1)
         return inter_iso(*args, **kwargs)
 
-    monkeypatch.setattr(losses, "inter_iso", counted)
+    monkeypatch.setattr(batch_module, "inter_iso", counted)
     loss, parts = module.compute_loss({"queries": QUERIES, "positives": POSITIVES, "negatives": NEGATIVES})
     monkeypatch.undo()
     with torch.no_grad():

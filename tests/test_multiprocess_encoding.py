@@ -262,6 +262,7 @@ def assert_close_index(index: TokenIndex, reference: TokenIndex, min_cosine: flo
         assert cosine.min() > min_cosine, (head, cosine.min())
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_gpu_build_equals_the_cpu_build(tiny_bert, tmp_path):
     ids, texts = toy_corpus(N_DOCS)
@@ -275,6 +276,7 @@ def test_a_gpu_build_equals_the_cpu_build(tiny_bert, tmp_path):
     assert_close_index(fp16, cpu, 0.99)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 def test_two_gpus_equal_the_cpu_build(tiny_bert, tmp_path):
     ids, texts = toy_corpus(N_DOCS)

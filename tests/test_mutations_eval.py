@@ -25,6 +25,7 @@ from hil.evaluation.statistics import (
     paired_permutation_test,
     paired_t_test,
 )
+from hil.retrieval.backends.configs import FlatSearchConfig
 from hil.retrieval.encoding import encode_document_tokens, eval_mode
 from hil.retrieval.fast_encode import quantized_document_encoder
 from hil.retrieval.smoothing import SmoothedLinear
@@ -60,9 +61,9 @@ def hand_metrics(dataset: BeirDataset, run: dict[str, dict[str, float]], drop_se
     return per_query
 
 
-def assert_measured_without_self_matches(dataset: BeirDataset, evaluation) -> None:
+def assert_measured_without_self_matches(dataset: BeirDataset, evaluation, keep_run: dict) -> None:
     expected = hand_metrics(dataset, evaluation.run, drop_self=True)
-    kept = hand_metrics(dataset, evaluation.run, drop_self=False)
+    kept = hand_metrics(dataset, keep_run, drop_self=False)
     assert expected != kept, "the construction must make self-matches change the numbers"
     for qid, values in expected.items():
         for metric, value in values.items():
@@ -72,21 +73,34 @@ def assert_measured_without_self_matches(dataset: BeirDataset, evaluation) -> No
         assert evaluation.aggregate[metric] == pytest.approx(mean, abs=1e-9), metric
 
 
-def test_bm25_evaluation_drops_self_matches():
+def assert_k_others_ranked(run: dict, keep_run: dict, k: int) -> None:
+    """BEIR's rule: the query's own document is skipped and k other documents are ranked -- the run is the deeper
+    run with the self-match kept, minus the self-match, cut at k (in trec_eval's order)."""
+    for qid, docs in run.items():
+        assert qid not in docs
+        expected = [d for d in trec_order(keep_run[qid]) if d != qid][:k]
+        assert trec_order(docs) == expected, qid
+
+
+def test_bm25_evaluation_skips_self_matches_and_ranks_k_others():
     dataset = self_match_dataset()
-    evaluation = evaluate_bm25(dataset, k=100, metrics=("ndcg@10", "mrr@10"))
-    # each query finds itself first (its own text), and that document is judged irrelevant by omission
-    assert all(trec_order(evaluation.run[qid])[0] == qid for qid in dataset.queries)
-    assert_measured_without_self_matches(dataset, evaluation)
     keep = evaluate_bm25(dataset, k=100, metrics=("ndcg@10", "mrr@10"), drop_self_matches=False)
+    # each query finds itself first (its own text), and that document is judged irrelevant by omission
+    assert all(trec_order(keep.run[qid])[0] == qid for qid in dataset.queries)
     kept = hand_metrics(dataset, keep.run, drop_self=False)
     assert keep.aggregate["mrr@10"] == pytest.approx(sum(v["mrr@10"] for v in kept.values()) / len(kept))
+    for k in (3, 100):
+        evaluation = evaluate_bm25(dataset, k=k, metrics=("ndcg@10", "mrr@10"))
+        assert_k_others_ranked(evaluation.run, keep.run, k)
+        if k == 3:
+            assert all(len(docs) == 3 for docs in evaluation.run.values()), "3 documents besides the query's own"
+    assert_measured_without_self_matches(dataset, evaluation, keep.run)
 
 
-def test_model_evaluation_drops_self_matches_by_default(hf_tokenizer):
+def test_model_evaluation_skips_self_matches_by_default(hf_tokenizer):
     encoder = make_encoder(hf_tokenizer)
-    probe = evaluate(encoder, self_match_dataset(), EvaluationSettings(mode="exhaustive", k=100, index_root=None,
-                                                                       metrics=("ndcg@10",), progress=False))
+    probe = evaluate(encoder, self_match_dataset(), EvaluationSettings(
+        mode="exhaustive", k=100, index_root=None, metrics=("ndcg@10",), progress=False, drop_self_matches=False))
     # judge, for each query, documents the model ranks right below its self-match: the self-match then counts
     qrels = {}
     for qid, docs in probe.run.items():
@@ -95,21 +109,25 @@ def test_model_evaluation_drops_self_matches_by_default(hf_tokenizer):
         assert position < len(order) - 2, "the query should rank its own text high"
         qrels[qid] = {order[position + 1]: 2, order[-1]: 1}
     dataset = self_match_dataset(qrels)
-    settings = EvaluationSettings(mode="exhaustive", k=100, index_root=None, metrics=("ndcg@10", "mrr@10"),
-                                  progress=False)
-    assert settings.drop_self_matches
-    evaluation = evaluate(encoder, dataset, settings)
-    assert all(qid in evaluation.run[qid] for qid in dataset.queries)  # the run itself keeps them ...
-    assert_measured_without_self_matches(dataset, evaluation)  # ... the measurement does not
+    keep = evaluate(encoder, dataset, EvaluationSettings(mode="exhaustive", k=100, index_root=None,
+                                                         metrics=("ndcg@10", "mrr@10"), progress=False,
+                                                         drop_self_matches=False))
+    for k in (100, 4):  # full ranking: tests/test_evaluate.py (it needs an index on disk)
+        settings = EvaluationSettings(mode="exhaustive", k=k, index_root=None, metrics=("ndcg@10", "mrr@10"),
+                                      progress=False)
+        assert settings.drop_self_matches
+        evaluation = evaluate(encoder, dataset, settings)
+        assert_k_others_ranked(evaluation.run, keep.run, k)
+    assert_measured_without_self_matches(dataset, evaluation, keep.run)
 
 
-def test_evaluate_command_drops_self_matches_unless_asked_and_passes_ncandidates():
+def test_evaluate_command_skips_self_matches_unless_asked_and_passes_ncandidates():
     from hil.evaluation.cli import build_parser, settings_from
 
     base = ["--model", "m", "--dataset", "d", "--mode", "full", "--quiet"]
     assert settings_from(build_parser().parse_args(base)).drop_self_matches is True
     assert settings_from(build_parser().parse_args([*base, "--keep-self-matches"])).drop_self_matches is False
-    assert settings_from(build_parser().parse_args([*base, "--ncandidates", "3"])).ncandidates == 3
+    assert settings_from(build_parser().parse_args([*base, "--ncandidates", "3"])).search.ncandidates == 3
 
 
 # -- ncandidates below full depth --------------------------------------------------------------------------------------
@@ -127,8 +145,9 @@ def test_full_ranking_ranks_only_the_documents_of_each_query_tokens_nearest_toke
                                                                                     ncandidates):
     encoder = make_encoder(hf_tokenizer)
     dataset = candidate_dataset()
-    settings = EvaluationSettings(mode="full", k=1000, index_root=tmp_path, ncandidates=ncandidates,
-                                  metrics=("ndcg@10",), progress=False)
+    settings = EvaluationSettings(mode="full", k=1000, index_root=tmp_path,
+                                  search=FlatSearchConfig(ncandidates=ncandidates), metrics=("ndcg@10",),
+                                  progress=False)
     evaluation = evaluate(encoder, dataset, settings)
     store = evaluation.store
     table = np.asarray(store.embeddings["colbert"], dtype=np.float32)  # (n_tokens, D) as stored
@@ -142,7 +161,7 @@ def test_full_ranking_ranks_only_the_documents_of_each_query_tokens_nearest_toke
         assert set(evaluation.run[qid]) == expected, qid
         sizes.append(len(expected))
     assert max(sizes) < len(dataset.corpus), "the construction must leave documents out"
-    assert evaluation.details["search_stats"]["ncandidates"] == ncandidates
+    assert evaluation.details["search_stats"]["search"]["ncandidates"] == ncandidates
     assert evaluation.details["search_stats"]["candidates_mean"] == pytest.approx(np.mean(sizes))
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from hil.retrieval.backends.centroid import PlaidBackend
+from hil.retrieval.backends.configs import PlaidIndexConfig
 from hil.retrieval.backends.registry import open_backend
 from hil.retrieval.builder import build_index, open_or_build_index, rebuild_faiss
 from hil.retrieval.encoding import eval_mode
@@ -47,8 +48,8 @@ def test_plaid_with_every_cell_and_document_equals_exact(setup):
     exact = exact_rank(encoder, flat, QUERIES, k=20, progress=False)
     result = full_rank(encoder, plaid, QUERIES, k=20, nprobe=16, max_candidates=plaid.n_docs,
                        stage2_docs=plaid.n_docs, progress=False)
-    assert result.stats["faiss_kind"] == "plaid"
-    assert result.stats["plaid"] == {"nprobe": 16, "ndocs": plaid.n_docs, "stage2_docs": plaid.n_docs}
+    assert result.stats["search"] == {"backend": "plaid", "nprobe": 16, "ndocs": plaid.n_docs,
+                                      "stage2_docs": plaid.n_docs}
     for qid in QUERIES:
         assert list(result.run[qid]) == list(exact.run[qid]), qid
         np.testing.assert_allclose(list(result.run[qid].values()), list(exact.run[qid].values()), atol=1e-5)
@@ -82,9 +83,9 @@ def test_plaid_files_and_reuse(setup, hf_tokenizer):
     assert plaid.faiss_settings["params"]["n_centroids"] == 16
     assert plaid.bytes_per_token() == 2 * encoder.dim  # the fp16 vectors are kept
     assert isinstance(open_backend(plaid), PlaidBackend)  # centroids, not a FAISS search
-    # search-time settings never trigger a rebuild
-    again = open_or_build_index(encoder, ids, texts, plaid.directory, faiss_kind="plaid",
-                                faiss_params={**PLAID, "nprobe": 2, "ndocs": 5}, progress=False)
+    # the same build-time settings reuse the index (search-time ones are never part of it)
+    again = open_or_build_index(encoder, ids, texts, plaid.directory, backend=PlaidIndexConfig(**PLAID),
+                                progress=False)
     assert (plaid.directory / "colbert.codes.npy").stat().st_mtime_ns == \
         (again.directory / "colbert.codes.npy").stat().st_mtime_ns
 

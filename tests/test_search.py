@@ -13,6 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hil.retrieval.backends.configs import IvfPqIndexConfig
 from hil.retrieval.builder import build_index
 from hil.retrieval.encoding import eval_mode
 from hil.retrieval.search import exact_rank, full_rank, rerank, score_documents, top_k
@@ -97,23 +98,26 @@ def test_shallow_full_rank_scores_are_exact_for_its_candidates(setup):
         for doc, score in full.run[qid].items():
             assert score == pytest.approx(exact.run[qid][doc], abs=1e-5)
         candidates = full.sources[qid]
-        expected = sorted(candidates, key=lambda d: (-exact.run[qid][d], d))[:5]
+        expected = sorted(candidates, key=lambda d: (exact.run[qid][d], d), reverse=True)[:5]
         assert list(full.run[qid]) == expected, "top 5 of the candidates under the exact scores"
 
 
 def test_ivfpq_full_rank_returns_exactly_scored_results(setup, tmp_path):
     encoder, index, ids, texts = setup
-    ivf = build_index(encoder, ids, texts, tmp_path / "ivf", faiss_kind="ivfpq",
-                      faiss_params={"nlist": 4, "m": 4, "nbits": 4, "nprobe": 2}, progress=False)
+    ivf = build_index(encoder, ids, texts, tmp_path / "ivf", backend=IvfPqIndexConfig(nlist=4, m=4, nbits=4),
+                      progress=False)
     exact = exact_rank(encoder, index, QUERIES, k=index.n_docs, progress=False)
-    result = full_rank(encoder, ivf, QUERIES, k=10, ncandidates=8, progress=False)
-    assert result.stats["faiss_kind"] == "ivfpq"
+    result = full_rank(encoder, ivf, QUERIES, k=10, ncandidates=8, nprobe=2, progress=False)
+    assert result.stats["search"] == {"backend": "ivfpq", "ncandidates": 8, "max_candidates": None, "nprobe": 2}
     for qid in QUERIES:
         assert len(result.run[qid]) > 0
         for doc, score in result.run[qid].items():
             assert score == pytest.approx(exact.run[qid][doc], abs=1e-5)
     wider = full_rank(encoder, ivf, QUERIES, k=10, ncandidates=8, nprobe=4, progress=False)
     assert wider.stats["candidates_mean"] >= result.stats["candidates_mean"], "more lists probed, more candidates"
+    assert wider.stats["search"]["nprobe"] == 4, "read back from the FAISS index after the search"
+    again = full_rank(encoder, ivf, QUERIES, k=10, ncandidates=8, nprobe=2, progress=False)
+    assert again.run == result.run and again.stats["search"]["nprobe"] == 2, "the cached FAISS index is reset"
 
 
 def brute_force_candidates(encoder, index, text, ncandidates):
@@ -250,10 +254,11 @@ def test_ties_are_broken_by_doc_id(hf_tokenizer, tmp_path):
     for result in (exact_rank(encoder, index, {"q": "gene"}, k=4, progress=False),
                    full_rank(encoder, index, {"q": "gene"}, k=4, ncandidates=100, progress=False)):
         ranked = [d for d in result.run["q"] if d != "mid"]
-        assert ranked == ["alpha", "beta", "zeta"]
+        assert ranked == ["zeta", "beta", "alpha"], "trec_eval's order: ties by id descending"
         assert len({result.run["q"][d] for d in ranked}) == 1, "identical texts, identical scores"
-    cut = exact_rank(encoder, index, {"q": "gene"}, k=2, progress=False).run["q"]
-    assert "zeta" not in cut
+    deep = exact_rank(encoder, index, {"q": "gene"}, k=4, progress=False).run["q"]
+    for k in (1, 2, 3):  # a shallow search is the head of a deep one, ties included
+        assert list(exact_rank(encoder, index, {"q": "gene"}, k=k, progress=False).run["q"]) == list(deep)[:k]
 
 
 @settings(max_examples=60, deadline=None)
@@ -263,6 +268,6 @@ def test_top_k_matches_sorting(values, k):
     docs = np.arange(len(values))[::-1].copy()
     rank = np.random.default_rng(len(values)).permutation(len(values)) if values else np.zeros(0, dtype=np.int64)
     got_docs, got_scores = top_k(scores, docs, rank, k)
-    expected = sorted(range(len(values)), key=lambda i: (-scores[i], rank[docs[i]]))[:k]
+    expected = sorted(range(len(values)), key=lambda i: (-scores[i], -rank[docs[i]]))[:k]
     assert got_docs.tolist() == [int(docs[i]) for i in expected]
     assert got_scores.tolist() == [float(scores[i]) for i in expected]

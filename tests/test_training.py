@@ -9,6 +9,8 @@ import pytest
 import pytorch_lightning as pl
 import torch
 
+from nway_examples import write_nway_examples
+
 from hil.cli import train_main
 from hil.data.datamodule import TriplesDataModule
 from hil.modeling.encoder import ColBERTEncoder
@@ -103,3 +105,162 @@ def test_init_from_checkpoint_and_export(shared_dir, tmp_path):
         torch.testing.assert_close(tuned.encoder.linear.weight, source.encoder.linear.weight)
     with pytest.raises(FileNotFoundError, match="init_from"):
         colbert_module(init_from=str(tmp_path / "missing.ckpt"))
+
+
+# -- n-way examples (issue 22) ------------------------------------------------------------------------------------
+
+
+def test_collate_lays_out_triples_as_before_and_examples_column_by_column():
+    from hil.data.datamodule import collate_examples, collate_triples
+    from hil.data.errors import UserError
+    from hil.data.examples import ScoredExample
+    from hil.data.triples import Triple
+
+    triples = [Triple("q1", "p1", "n1"), Triple("q2", "p2", "n2")]
+    assert collate_examples(triples) == collate_triples(triples)
+    assert collate_examples([ScoredExample("q1", ("p1", "n1")), ScoredExample("q2", ("p2", "n2"))]) == \
+        collate_triples(triples)
+    examples = [ScoredExample("q1", ("a1", "b1", "c1"), (3.0, 1.0, 2.0)),
+                ScoredExample("q2", ("a2", "b2", "c2"), (0.5, 0.0, -1.0))]
+    batch = collate_examples(examples)
+    assert batch["queries"] == ["q1", "q2"] and batch["positives"] == ["a1", "a2"]
+    assert batch["negatives"] == ["b1", "b2", "c1", "c2"]  # document j of query i at (j - 1) B + i
+    assert batch["teacher_scores"].tolist() == [[3.0, 1.0, 2.0], [0.5, 0.0, -1.0]]
+    with pytest.raises(UserError, match="data.nway"):
+        collate_examples([examples[0], ScoredExample("q3", ("a", "b"), (1.0, 0.0))])
+    with pytest.raises(UserError, match="with and without teacher scores"):
+        collate_examples([examples[0], ScoredExample("q3", ("a", "b", "c"))])
+
+
+def test_data_module_nway_settings_are_checked():
+    with pytest.raises(ValueError, match="exactly one"):
+        TriplesDataModule(triples=TRIPLES, nway_examples="e.jsonl", queries="q", collection="c")
+    with pytest.raises(ValueError, match="go together"):
+        TriplesDataModule(nway_examples="e.jsonl", queries="q.tsv")
+    with pytest.raises(ValueError, match="go together"):
+        TriplesDataModule(triples=TRIPLES, queries="q.tsv", collection="c.tsv")
+    with pytest.raises(ValueError, match="data.nway"):
+        TriplesDataModule(triples=TRIPLES, nway=4)
+
+
+def test_distillation_needs_teacher_scores_before_training_starts(shared_dir, tmp_path):
+    from hil.data.errors import UserError
+    from hil.modeling.losses import KLDistillation
+
+    module = RetrieverModule(ColBERTEncoder(backbone="bert-tiny-splade", dim=16, query_maxlen=16, doc_maxlen=32),
+                             KLDistillation())
+    data = TriplesDataModule(triples=TRIPLES, max_triples=4, batch_size=2)
+    trainer = pl.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    with pytest.raises(UserError, match="KLDistillation needs teacher scores.*data.triples"):
+        trainer.fit(module, data)
+    assert trainer.global_step == 0
+
+
+def test_an_nway_file_trains_with_its_teacher_scores(shared_dir, tmp_path):
+    """The data module reads a ColBERTv2 n-way file; the batches carry (B, N) teacher scores; the KL term trains."""
+    from hil.modeling.losses import KLDistillation
+
+    args = write_nway_examples(tmp_path, n_queries=6, nway=3)
+    settings = dict(zip([a.removeprefix("--data.") for a in args[0::2]], args[1::2]))
+    settings.pop("triples")
+    data = TriplesDataModule(**{**settings, "nway": 3}, batch_size=3, shuffle=False)
+    data.prepare_data()
+    data.setup("fit")
+    assert data.has_teacher_scores() and "nway_examples=" in data.describe_source()
+    first = next(iter(data.train_dataloader()))
+    assert len(first["queries"]) == 3 and len(first["negatives"]) == 6
+    assert first["teacher_scores"].tolist()[0] == [9.0, 2.0, 1.0]
+    seen: list[float] = []
+
+    class Record(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            seen.append(float(trainer.callback_metrics["train/loss_kl"]))
+
+    module = RetrieverModule(ColBERTEncoder(backbone="bert-tiny-splade", dim=16, query_maxlen=16, doc_maxlen=32),
+                             KLDistillation(), optimizer=partial(torch.optim.AdamW, lr=1e-3))
+    trainer = pl.Trainer(max_steps=4, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[Record()],
+                         default_root_dir=tmp_path)
+    trainer.fit(module, data)
+    assert trainer.global_step == 4 and len(seen) == 4 and all(value >= 0 for value in seen)
+
+
+def test_an_nway_file_without_scores_trains_contrastively_and_refuses_distillation(shared_dir, tmp_path):
+    from hil.data.errors import UserError
+    from hil.modeling.losses import KLDistillation, NWayCE
+
+    args = write_nway_examples(tmp_path, n_queries=4, nway=3, scored=False)
+    settings = {a.removeprefix("--data."): v for a, v in zip(args[0::2], args[1::2]) if a != "--data.triples"}
+    data = TriplesDataModule(**{**settings, "nway": 3}, batch_size=2, shuffle=False)
+    data.setup("fit")
+    assert not data.has_teacher_scores()
+    assert "teacher_scores" not in next(iter(data.train_dataloader()))
+    for loss, steps in ((NWayCE(), 2), (KLDistillation(), 0)):
+        module = RetrieverModule(ColBERTEncoder(backbone="bert-tiny-splade", dim=16, query_maxlen=16, doc_maxlen=32),
+                                 loss)
+        trainer = pl.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+        if steps:
+            trainer.fit(module, data)
+        else:
+            with pytest.raises(UserError, match="needs teacher scores.*nway_examples="):
+                trainer.fit(module, data)
+        assert trainer.global_step == steps
+
+
+def test_an_nway_file_resumes_exactly_where_it_stopped(shared_dir, tmp_path):
+    """The loader's state after two batches of an n-way file, loaded into a fresh data module, gives exactly the
+    batches (texts and teacher scores) an uninterrupted epoch gives after those two."""
+
+    args = write_nway_examples(tmp_path, n_queries=8, nway=3)
+    settings = {a.removeprefix("--data."): v for a, v in zip(args[0::2], args[1::2]) if a != "--data.triples"}
+    settings["nway"] = int(settings["nway"])
+
+    def loader():
+        data = TriplesDataModule(**settings, batch_size=2, seed=5)
+        data.setup("fit")
+        return data.train_dataloader()
+
+    def plain(batches):
+        return [{k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in b.items()} for b in batches]
+
+    whole = plain(loader())
+    assert len(whole) == 4 and all(len(b["teacher_scores"]) == 2 for b in whole)
+    interrupted = loader()
+    batches = iter(interrupted)
+    head = [next(batches), next(batches)]
+    state = interrupted.state_dict()
+    resumed = loader()
+    resumed.load_state_dict(state)
+    assert plain(head) + plain(resumed) == whole
+
+
+def test_a_teacher_run_and_pylate_examples_load_through_the_data_module(shared_dir, tmp_path):
+    """``data.run`` (a TREC run with teacher scores; ``run_depth``/``run_selection`` choose each query's N) and
+    ``data.pylate`` give the same batch layout as an n-way file."""
+    import json
+
+    args = write_nway_examples(tmp_path, n_queries=4, nway=4)
+    settings = {a.removeprefix("--data."): v for a, v in zip(args[0::2], args[1::2]) if a != "--data.triples"}
+    lines = [json.loads(line) for line in (tmp_path / "examples.jsonl").read_text().splitlines()]
+    with open(tmp_path / "run.trec", "w") as run, open(tmp_path / "pylate.jsonl", "w") as pylate:
+        for qid, *scored in lines:
+            for rank, (pid, score) in enumerate(scored, start=1):
+                run.write(f"{qid} Q0 {pid} {rank} {score} teacher\n")
+            pylate.write(json.dumps({"query_id": qid, "document_ids": [p for p, _ in scored],
+                                     "scores": [s for _, s in scored]}) + "\n")
+    common = {"queries": settings["queries"], "collection": settings["collection"], "cache_dir": settings["cache_dir"],
+              "batch_size": 4, "shuffle": False}
+    expected = None
+    for source in ({"nway_examples": settings["nway_examples"], "nway": 3},
+                   {"run": str(tmp_path / "run.trec"), "nway": 3, "run_depth": 3},
+                   {"pylate": str(tmp_path / "pylate.jsonl"), "nway": 3}):
+        data = TriplesDataModule(**source, **common)
+        data.prepare_data()
+        data.setup("fit")
+        batch = next(iter(data.train_dataloader()))
+        got = {k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        assert got["teacher_scores"][0] == [9.0, 2.0, 1.0], source
+        expected = expected or got
+        assert got == expected, source

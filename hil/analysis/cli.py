@@ -18,6 +18,8 @@ import sys
 
 import torch
 
+from hil.evaluation.statistics import P_ADJUST_METHODS
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m hil.analysis", description=__doc__,
@@ -42,11 +44,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ncandidates", type=int, default=None)
     parser.add_argument("--faiss", choices=("flat", "ivfflat", "ivfpq"), default="flat")
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--dim", type=int, default=128, help="head size for an untrained backbone")
+    parser.add_argument("--dim", type=int, default=None,
+                        help="head size for an untrained backbone (default 128); a trained model keeps its own")
     parser.add_argument("--query-maxlen", type=int, default=None)
     parser.add_argument("--doc-maxlen", type=int, default=None)
     parser.add_argument("--bootstrap-samples", type=int, default=1000)
     parser.add_argument("--permutations", type=int, default=10000)
+    parser.add_argument("--p-adjust", choices=P_ADJUST_METHODS, default="holm",
+                        help="multiple-comparison adjustment of the paired tests' p-values, shown beside the raw ones: "
+                             "holm (Holm-Bonferroni), bh (Benjamini-Hochberg) or none")
     parser.add_argument("--pairs", type=int, default=64, help="(query, BM25 top document) pairs for Figs. 2 and 5")
     parser.add_argument("--isotropy-tokens", type=int, default=20_000, help="token sample per isotropy score")
     parser.add_argument("--vocab-pairs", type=int, default=100)
@@ -75,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         max_queries=args.max_queries, max_docs=args.max_docs, seed=args.seed, index_root=args.index_root, k=args.k,
         ncandidates=args.ncandidates, faiss=args.faiss, batch_size=args.batch_size, dim=args.dim,
         query_maxlen=args.query_maxlen, doc_maxlen=args.doc_maxlen, n_bootstrap=args.bootstrap_samples,
-        n_permutations=args.permutations, pairs=args.pairs, isotropy_tokens=args.isotropy_tokens,
+        n_permutations=args.permutations, p_adjust=args.p_adjust, pairs=args.pairs,
+        isotropy_tokens=args.isotropy_tokens,
         vocab_pairs=args.vocab_pairs, vocab_examples=args.vocab_examples, threshold_k=args.threshold_k,
         coe_psi=args.coe_psi, progress=not args.quiet,
         command="python -m hil.analysis " + " ".join(shlex.quote(a) for a in argv))
@@ -84,5 +91,6 @@ def main(argv: list[str] | None = None) -> int:
     for row in report["statistics"]["paired"]:
         if row["metric"] == "ndcg@10":
             print(f"  {row['a']} vs {row['b']}: nDCG@10 {row['mean_a']:.4f} vs {row['mean_b']:.4f}, "
-                  f"t-test p={row['p_t_test']:.3g}, permutation p={row['p_permutation']:.3g}")
+                  f"t-test p={row['p_t_test']:.3g} ({args.p_adjust} {row['p_t_test_adjusted']:.3g}), "
+                  f"permutation p={row['p_permutation']:.3g} ({args.p_adjust} {row['p_permutation_adjusted']:.3g})")
     return 0

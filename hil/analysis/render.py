@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from hil.evaluation.tables import fmt, markdown_table
+from hil.evaluation.statistics import SIGNIFICANCE_LEVEL
+from hil.evaluation.tables import adjustment_legend, fmt, markdown_table
 
 
 def render_markdown(report: dict[str, Any], stat_metrics: Sequence[str]) -> str:
@@ -65,15 +66,29 @@ def retrieval_lines(report: dict[str, Any], stat_metrics: Sequence[str]) -> list
 
 
 def significance_lines(stats: dict[str, Any]) -> list[str]:
-    """Paired t-, permutation and bootstrap tests of each compared pair of runs (001 Table 2 dagger)."""
+    """Paired t-, permutation and bootstrap tests of each compared pair of runs (001 Table 2 dagger), each p-value
+    beside its value adjusted for multiple comparisons; the dagger marks the t-test p that decides (the adjusted one
+    unless the method is "none") below the level."""
+    rule = stats.get("p_adjust") or {"method": "none", "family": "", "significance": SIGNIFICANCE_LEVEL}
+    method, level = rule["method"], rule["significance"]
+    tests = ("p_t_test", "p_permutation", "p_bootstrap")
+    shown = [*tests, *(f"{key}_adjusted" for key in tests if method != "none")]
+    decides = "p_t_test" if method == "none" else "p_t_test_adjusted"
+
+    def cell(r: dict[str, Any], key: str) -> Any:
+        value = r.get(key)
+        return f"{fmt(value)}†" if key == decides and value is not None and value < level else value
+
     rows = [[r["a"], r["b"], r["metric"], r["n"], r["mean_a"], r["mean_b"], r["mean_diff"],
              f"[{r['diff_ci'][0]:.4f}, {r['diff_ci'][1]:.4f}]" if r.get("diff_ci") else "n/a",
-             r["p_t_test"], r["p_permutation"], r["p_bootstrap"]] for r in stats["paired"]]
+             *(cell(r, key) for key in shown)] for r in stats["paired"]]
+    adjusted_header = [f"{method} p (t)", f"{method} p (perm.)", f"{method} p (boot.)"] if method != "none" else []
     return ["## Significance", "", "Paired tests of per-query metrics, a - b (001 Table 2 dagger): paired t-test, "
             f"sign-flip permutation test ({stats['n_permutations']} permutations, exact when n <= 16) and "
-            "paired bootstrap test; the difference's bootstrap interval.", "",
+            "paired bootstrap test; the difference's bootstrap interval. "
+            + adjustment_legend(method, rule["family"], level), "",
             *_table_block(["a", "b", "metric", "n", "mean a", "mean b", "diff", "diff CI", "p (t)", "p (perm.)",
-                     "p (boot.)"], rows)]
+                           "p (boot.)", *adjusted_header], rows)]
 
 
 def bm25_easy_lines(stats: dict[str, Any]) -> list[str]:

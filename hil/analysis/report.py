@@ -43,6 +43,7 @@ from hil.analysis.render import render_markdown
 from hil.analysis.sections import (Variant, head_overlap_section, isotropy_section, layers_section,
                                    statistics_section, thresholds_section, token_cosines_section, vocabulary_section)
 from hil.analysis.similarity import top_pairs
+from hil.retrieval.backends.configs import with_search_values
 from hil.evaluation.evaluate import (Evaluation, EvaluationSettings, evaluate, evaluate_bm25, evaluate_transformed,
                                      run_name)
 from hil.evaluation.metrics import DEFAULT_METRICS
@@ -79,11 +80,12 @@ class AnalysisConfig:
     ncandidates: int | None = None
     faiss: str = "flat"
     batch_size: int = 32
-    dim: int = 128
+    dim: int | None = None  # an untrained head's size (None: 128); a trained model keeps its own
     query_maxlen: int | None = None
     doc_maxlen: int | None = None
     n_bootstrap: int = 1000
     n_permutations: int = 10000
+    p_adjust: str = "holm"  # multiple-comparison adjustment of the paired tests (statistics.adjust_p_values)
     pairs: int = 64
     isotropy_tokens: int = 20_000
     vocab_pairs: int = 100
@@ -137,8 +139,9 @@ def evaluate_variants(config: AnalysisConfig, dataset: Any, lap: Callable[[str],
     ``variants[0]`` is the model, the comparison model (when given) the last variant."""
     overrides = {k: v for k, v in {"dim": config.dim, "query_maxlen": config.query_maxlen,
                                    "doc_maxlen": config.doc_maxlen}.items() if v is not None}
+    search = with_search_values(config.faiss, None, {"ncandidates": config.ncandidates})
     settings = EvaluationSettings(mode="full", k=config.k, index_root=config.index_root, backend=config.faiss,
-                                  ncandidates=config.ncandidates, batch_size=config.batch_size,
+                                  search=search, batch_size=config.batch_size,
                                   metrics=REPORT_METRICS, progress=config.progress)
     bm25 = evaluate_bm25(dataset, k=max(config.k, 100), metrics=REPORT_METRICS)
     lap("bm25")
@@ -197,7 +200,7 @@ def run_analysis(config: AnalysisConfig) -> dict[str, Any]:
     base = variants[0]
 
     statistics = statistics_section(bm25, variants, metrics=STAT_METRICS, n_bootstrap=config.n_bootstrap,
-                                    n_permutations=config.n_permutations, seed=seed)
+                                    n_permutations=config.n_permutations, seed=seed, p_adjust=config.p_adjust)
     lap("statistics")
     figures = {"intervals": plots.plot_intervals(statistics["bootstrap"], "ndcg@10",
                                                  output / "ndcg_intervals.png").name}

@@ -54,11 +54,13 @@ class Variant:
 
 
 def statistics_section(bm25: Evaluation, variants: Sequence[Variant], *, metrics: Sequence[str], n_bootstrap: int,
-                       n_permutations: int, seed: int) -> dict[str, Any]:
-    """Intervals of every run; paired tests of each model against BM25 and of the others against the first."""
+                       n_permutations: int, seed: int, p_adjust: str = "holm") -> dict[str, Any]:
+    """Intervals of every run; paired tests of each model against BM25 and of the others against the first, their
+    p-values also adjusted by ``p_adjust`` over each reference's comparisons on one metric."""
     pairs = [(v.name, "bm25") for v in variants] + [(v.name, variants[0].name) for v in variants[1:]]
     return evaluation_statistics([bm25, *(v.evaluation for v in variants)], metrics=metrics, pairs=pairs,
-                                 n_bootstrap=n_bootstrap, n_permutations=n_permutations, seed=seed)
+                                 n_bootstrap=n_bootstrap, n_permutations=n_permutations, seed=seed,
+                                 p_adjust=p_adjust)
 
 
 def thresholds_section(variants: Sequence[Variant], dataset: Any, *, k: int, psi: float, seed: int,

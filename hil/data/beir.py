@@ -10,7 +10,8 @@ Layout on disk (the official BEIR zips)::
 :class:`DataFormatError` naming file and line) is :mod:`hil.data.beir_files`. A dataset name is resolved with
 :func:`hil.paths.resolve_dataset` (a path, or ``$HIL_DATA_DIR/beir/<name>`` / ``$HIL_DATA_DIR/<name>``); when there is
 no local folder the Hugging Face hub copies ``BeIR/<name>`` and ``BeIR/<name>-qrels`` are tried (online machines
-only). A folder, split or dataset that cannot be found is a :class:`~hil.data.errors.MissingInputError` naming it.
+only). ``irds:<id>`` is read through ir_datasets (:mod:`hil.data.irds`) into the same :class:`BeirDataset`. A folder,
+split or dataset that cannot be found is a :class:`~hil.data.errors.MissingInputError` naming it.
 
 * Only queries judged in the split are kept (BEIR convention); their judgments with score 0 stay in ``qrels``.
 * Judgments of documents outside the corpus (some official BEIR qrels; many in a re-ranking set like TREC DL 2019)
@@ -34,6 +35,7 @@ from hil.data.beir_files import (OutsideCorpus, QrelsBuilder, check_options, che
                                  load_collection_tsv, load_topics_tsv, load_trec_qrels, parse_score, read_corpus_jsonl,
                                  read_qrels_tsv, read_queries_jsonl, records_to_corpus, records_to_queries)
 from hil.data.errors import DataFormatError, MissingInputError
+from hil.data.irds import check_split, is_irds_name, read_irds
 from hil.paths import DATA_DIR_ENV, resolve_dataset
 from hil.provenance import fingerprint_strings
 
@@ -216,16 +218,25 @@ def _looks_like_path(name_or_path: str) -> bool:
 
 
 def load_beir(name_or_path: str | os.PathLike, split: str = "test", data_dir: str | os.PathLike | None = None, *,
-              judged_outside_corpus: OutsideCorpus = "keep", relevance_level: int = 1) -> BeirDataset:
-    """Load one split of a BEIR dataset from a local folder, else from the Hugging Face hub.
+              judged_outside_corpus: OutsideCorpus = "keep", relevance_level: int | None = None) -> BeirDataset:
+    """Load one split of a BEIR dataset from a local folder, else from the Hugging Face hub; or an ir_datasets
+    dataset.
 
     ``name_or_path`` is a folder, a name found under ``data_dir`` / ``$HIL_DATA_DIR`` (``beir/<name>`` or ``<name>``),
-    or a hub name (``scifact`` or ``BeIR/scifact``). Bad files raise :class:`DataFormatError` naming file and line;
-    a missing file or an unreachable dataset raises :class:`~hil.data.errors.MissingInputError` (a
-    ``FileNotFoundError``). ``judged_outside_corpus``, ``relevance_level``: see the module docstring (TREC DL,
-    ``msmarco/dl19``: ``"keep"`` and 2).
+    a hub name (``scifact`` or ``BeIR/scifact``), or ``irds:<id>`` (``irds:beir/scifact/test``: read through
+    ir_datasets when it is installed, :mod:`hil.data.irds`; the id names the split). Bad files raise
+    :class:`DataFormatError` naming file and line; a missing file or an unreachable dataset raises
+    :class:`~hil.data.errors.MissingInputError` (a ``FileNotFoundError``). ``judged_outside_corpus``,
+    ``relevance_level``: see the module docstring (TREC DL, ``msmarco/dl19``: ``"keep"`` and 2); ``None`` (the
+    default) is the dataset's own: 1 for a folder or the hub, the official measures' level for ``irds:``.
     """
-    check_options(judged_outside_corpus, relevance_level)
+    check_options(judged_outside_corpus, 1 if relevance_level is None else relevance_level)
+    if is_irds_name(name_or_path):
+        check_split(str(name_or_path), split, default="test")
+        data = read_irds(str(name_or_path), judged_outside_corpus)
+        return _dataset(data.name, data.corpus, data.queries, data.qrels, data.dataset_id, data.source,
+                        data.relevance_level if relevance_level is None else relevance_level)
+    relevance_level = 1 if relevance_level is None else relevance_level
     folder = resolve_dataset(name_or_path, data_dir)
     text = str(name_or_path)
     if folder is None and isinstance(name_or_path, str) and text.lower().startswith("beir/"):

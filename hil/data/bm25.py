@@ -1,6 +1,7 @@
 """BM25 over a corpus with ``bm25s``: the lexical baseline and the source of hard negatives for training triples.
 
-The variant, stated because BM25 numbers differ by variant (DESIGN: "state the BM25 variant you compare against"):
+The variant, stated because BM25 numbers differ by variant (docs/design.md: "state the BM25 variant you compare
+against"):
 
 * Lucene BM25 (``bm25s`` ``method="lucene"``): ``idf(t) = ln(1 + (N - df + 0.5) / (df + 0.5))`` and
   ``score(q, d) = sum_{t in q} idf(t) * tf / (tf + k1 * (1 - b + b * |d| / avgdl))``, summed over query tokens with
@@ -10,7 +11,10 @@ The variant, stated because BM25 numbers differ by variant (DESIGN: "state the B
   33 words of Lucene's ``EnglishAnalyzer`` set, as Pyserini), Snowball English ("Porter2") stemming from PyStemmer
   where Pyserini uses Lucene's Porter stemmer. Query tokens absent from the corpus vocabulary are dropped.
 * Only documents sharing at least one token with the query are returned (score > 0), like Lucene; a query that
-  tokenizes to nothing (stopwords, punctuation) returns no documents. Ties are broken by corpus order.
+  tokenizes to nothing (stopwords, punctuation) returns no documents. Ties are broken by document id, descending,
+  as trec_eval ranks them (:mod:`hil.data.ranking`), so BM25's top k is the first k of any deeper BM25 ranking.
+* ``skip_self`` (BEIR's rule for ArguAna, Quora, CQADupStack: it retrieves k + 1 and skips the hit whose id is the
+  query's): the query's own document is skipped before the cut, so k other documents are ranked.
 
 On SciFact test this gives nDCG@10 = 0.676 (BEIR paper / Pyserini flat: 0.665-0.679; bm25s defaults give 0.686).
 """
@@ -22,6 +26,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from hil.data.beir import BeirDataset
+from hil.data.ranking import id_rank, top_k_indices
 
 PYSERINI_K1 = 0.9
 PYSERINI_B = 0.4
@@ -35,17 +40,14 @@ def _tokenize(texts: Sequence[str], stemmer: Any, stopwords: str | list[str]) ->
     return [[token for token in text if token] for text in tokens]
 
 
-def _top_k(scores: np.ndarray, k: int) -> np.ndarray:
-    """Indices of the ``k`` highest positive scores, highest first, ties in index order."""
+def _top_k(scores: np.ndarray, k: int, tie_rank: np.ndarray, exclude: int | None = None) -> np.ndarray:
+    """Indices of the ``k`` highest positive scores, in trec_eval's order (ties by document id, descending)."""
     positive = np.flatnonzero(scores > 0)
-    if positive.size > k:
-        # The k-th largest value; everything strictly above it is in, and ties at it are taken in index order.
-        threshold = np.partition(scores[positive], positive.size - k)[positive.size - k]
-        above = positive[scores[positive] > threshold]
-        tied = positive[scores[positive] == threshold][: k - above.size]
-        positive = np.concatenate([above, tied])
-    order = np.lexsort((positive, -scores[positive]))  # sort by score descending, then index ascending
-    return positive[order]
+    skip = None
+    if exclude is not None:
+        found = np.flatnonzero(positive == exclude)
+        skip = int(found[0]) if len(found) else None
+    return positive[top_k_indices(scores[positive], tie_rank[positive], k, exclude=skip)]
 
 
 class BM25Index:
@@ -58,6 +60,8 @@ class BM25Index:
         self._stemmer = stemmer
         self._stopwords = stopwords  # the same tokenization for queries as for documents
         self._settings = settings
+        self._id_rank = id_rank(doc_ids)
+        self._row = {doc_id: row for row, doc_id in enumerate(doc_ids)}
 
     @classmethod
     def build(cls, doc_ids: Sequence[str], texts: Sequence[str], k1: float = PYSERINI_K1, b: float = PYSERINI_B,
@@ -91,8 +95,12 @@ class BM25Index:
     def settings(self) -> dict[str, Any]:
         return dict(self._settings)
 
-    def search(self, queries: Sequence[str], k: int) -> list[list[tuple[str, float]]]:
-        """For each query, up to ``k`` ``(doc_id, score)`` pairs with score > 0, best first."""
+    def search(self, queries: Sequence[str], k: int,
+               query_ids: Sequence[str] | None = None) -> list[list[tuple[str, float]]]:
+        """For each query, up to ``k`` ``(doc_id, score)`` pairs with score > 0, best first; with ``query_ids``,
+        the document whose id is the query's is skipped (module docstring)."""
+        if query_ids is not None and len(query_ids) != len(queries):
+            raise ValueError(f"{len(query_ids)} query ids for {len(queries)} queries")
         if k < 0:
             raise ValueError(f"k must be >= 0, got {k}")
         results: list[list[tuple[str, float]]] = [[] for _ in queries]
@@ -105,15 +113,18 @@ class BM25Index:
             if not token_ids:
                 continue
             scores = self._retriever.get_scores_from_ids(token_ids)  # (num_docs,)
-            ranked = _top_k(np.asarray(scores), k)
+            own = self._row.get(str(query_ids[position])) if query_ids is not None else None
+            ranked = _top_k(np.asarray(scores), k, self._id_rank, exclude=own)
             results[position] = [(self.doc_ids[index], float(scores[index])) for index in ranked]
         return results
 
 
-def bm25_run(dataset: BeirDataset, k: int = 1000, index: BM25Index | None = None,
+def bm25_run(dataset: BeirDataset, k: int = 1000, index: BM25Index | None = None, skip_self: bool = False,
              **kwargs: Any) -> dict[str, dict[str, float]]:
-    """A BEIR-shaped run ``{query_id: {doc_id: score}}`` for every query of ``dataset`` (``{}`` when nothing matches)."""
+    """A BEIR-shaped run ``{query_id: {doc_id: score}}`` for every query of ``dataset`` (``{}`` when nothing
+    matches); ``skip_self``: k documents other than the query's own (module docstring)."""
     index = index if index is not None else BM25Index.from_dataset(dataset, **kwargs)
     query_ids = dataset.query_ids()
-    ranked = index.search([dataset.queries[query_id] for query_id in query_ids], k)
+    ranked = index.search([dataset.queries[query_id] for query_id in query_ids], k,
+                          query_ids=query_ids if skip_self else None)
     return {query_id: dict(hits) for query_id, hits in zip(query_ids, ranked)}

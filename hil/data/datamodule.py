@@ -1,9 +1,20 @@
-"""Training data as a LightningDataModule: triples in, batches of strings out.
+"""Training data as a LightningDataModule: triples or n-way examples in, batches of strings out.
 
 Batches stay as strings; the LightningModule tokenizes them with its own ColBERTTokenizer, so the data layer never
 depends on a model and a checkpoint always tokenizes the way it was trained. Triples files are read from disk by
 index (:mod:`hil.data.triples_file`), so their size is bounded by the disk, not by memory; only BM25-mined triples
-(small) and ``.gz`` files are held as a list.
+(small) and ``.gz`` files are held as a list. N-way examples (ColBERTv2's files, a TREC run with teacher scores,
+PyLate's layout) are read by byte offset too (:func:`hil.data.example_sources.open_example_source`).
+
+A batch of B examples of N documents each (:func:`collate_examples`) is a dict of strings:
+    queries    (B)          the queries
+    positives  (B)          each query's first document (its positive; for examples graded by a teacher simply the
+                            first)
+    negatives  ((N - 1) B)  the other documents *column by column*: document 1 of every query, then document 2...
+    teacher_scores          a float tensor (B, N), only when the examples carry teacher scores
+For triples (N = 2, no scores) that is exactly the ``{queries, positives, negatives}`` of ColBERT v1 training
+(:func:`collate_triples`), and ``positives + negatives`` is the document layout of
+``hil.modeling.batch.RankingBatch`` (document j of query i at j B + i).
 """
 
 from __future__ import annotations
@@ -18,6 +29,8 @@ from torch.utils.data import Dataset, DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from hil.data.distinct import StreamedTexts, iter_distinct
+from hil.data.errors import UserError
+from hil.data.examples import ExampleSource, ScoredExample
 from hil.data.triples import Triple, iter_triples, mine_bm25_triples, read_triples
 from hil.data.triples_file import IdTriplesFile, TriplesFile
 from hil.paths import resolve_data_file
@@ -48,12 +61,37 @@ class TripleDataset(Dataset):
         return (triple.query for triple in self.triples)
 
 
-TrainingTriples = TripleDataset | TriplesFile | IdTriplesFile
+TrainingTriples = TripleDataset | TriplesFile | IdTriplesFile | ExampleSource
+EXAMPLE_SOURCES = ("nway_examples", "run", "pylate")  # the keys of data sources read by open_example_source
 
 
 def collate_triples(triples: list[Triple]) -> dict[str, list[str]]:
     return {"queries": [t.query for t in triples], "positives": [t.positive for t in triples],
             "negatives": [t.negative for t in triples]}
+
+
+def _documents(item: Triple | ScoredExample) -> tuple[tuple[str, ...], tuple[float, ...] | None]:
+    if isinstance(item, Triple):
+        return (item.positive, item.negative), None
+    return item.documents, item.scores
+
+
+def collate_examples(items: list[Triple | ScoredExample]) -> dict[str, list[str] | torch.Tensor]:
+    """B triples or examples as one batch of strings (the layout of the module docstring). Every example of a batch
+    has the same N (the readers cut each to ``data.nway``), and all or none carry teacher scores."""
+    documents, scores = zip(*(_documents(item) for item in items))
+    n = len(documents[0])
+    if any(len(docs) != n for docs in documents):
+        raise UserError(f"a training batch mixes examples of {sorted({len(docs) for docs in documents})} documents; "
+                        f"set data.nway so that every example has the same number")
+    if len({s is None for s in scores}) > 1:
+        raise UserError("a training batch mixes examples with and without teacher scores")
+    batch: dict[str, list[str] | torch.Tensor] = {
+        "queries": [item.query for item in items], "positives": [docs[0] for docs in documents],
+        "negatives": [docs[j] for j in range(1, n) for docs in documents]}
+    if scores[0] is not None:
+        batch["teacher_scores"] = torch.tensor(scores, dtype=torch.float32)  # (B, N)
+    return batch
 
 
 def distributed_world() -> tuple[int, int]:
@@ -201,19 +239,20 @@ def idf_source_documents(source: str, limit: int | None, training: TrainingTripl
     try:
         dataset = load_beir(source, data_dir=data_dir)
     except FileNotFoundError as error:
-        raise FileNotFoundError(f"data.idf_source={source!r}: not 'train', 'train_queries', 'none', a triples file or a BEIR "
-                                f"dataset ({error})") from None
+        raise FileNotFoundError(f"data.idf_source={source!r}: not 'train', 'train_queries', 'none', a triples file "
+                                f"or a BEIR dataset ({error})") from None
     texts = dataset.documents()
     return (texts[:limit] if limit else texts), f"corpus of {dataset.name} ({Path(dataset.source).name})"
 
 
 class TriplesDataModule(pl.LightningDataModule):
-    """Triples from an MS MARCO-style TSV (text triples, or id triples with their queries and collection), or mined
-    from a BEIR training split with BM25 hard negatives.
+    """Triples from an MS MARCO-style TSV (text triples, or id triples with their queries and collection), mined
+    from a BEIR training split with BM25 hard negatives, or n-way examples (with or without teacher scores) from a
+    ColBERTv2 file, a TREC run or PyLate's layout.
 
-    Files are read from disk by index (:mod:`hil.data.triples_file`): any size trains in bounded memory, and every
-    rank and loader worker shares the same memory-mapped line offsets. Their batches are those an in-memory list of
-    the same triples would give.
+    Files are read from disk by index (:mod:`hil.data.triples_file`, :mod:`hil.data.example_sources`): any size
+    trains in bounded memory, and every rank and loader worker shares the same memory-mapped line offsets. Their
+    batches are those an in-memory list of the same triples would give.
 
     Args:
         triples: a ``query TAB positive TAB negative`` file (a path, or relative to ``HIL_DATA_DIR``), e.g. MS
@@ -222,10 +261,20 @@ class TriplesDataModule(pl.LightningDataModule):
             ``qid TAB positive pid TAB negative pid`` (``qidpidtriples.train.full.2.tsv``), ``qid TAB text``
             (``queries.train.tsv``) and ``pid TAB text`` (``collection.tsv``); all three are needed together.
         beir: a BEIR dataset name or folder; its ``qrels/<beir_split>.tsv`` positives get BM25-mined negatives.
-            Exactly one of ``triples``, ``id_triples`` and ``beir``.
-        max_triples: keep only the first N triples (smoke runs).
-        batch_size: triples per optimizer step on each device.
-        seed: fixes the shuffling order of every epoch.
+        nway_examples: ColBERTv2's n-way examples, JSON lines ``[qid, [pid, score], ...]`` (or ``[qid, pid, ...]``
+            without scores: the first the positive), with ``queries`` and ``collection``.
+        run: a TREC run whose scores are a teacher's (Lightning IR's ``RunDataset``), with ``queries``,
+            ``collection``, ``nway`` and optionally ``qrels``; ``run_depth``, ``run_selection``,
+            ``run_positives``, ``run_targets``, ``relevance_level`` and ``short_queries`` choose each query's
+            documents (:mod:`hil.data.run_examples`).
+        pylate: PyLate's examples (``query_id``, ``document_ids``, ``scores``; JSON lines or Parquet), with
+            ``queries`` and ``collection`` (``id TAB text``, or PyLate's text tables).
+            Exactly one of ``triples``, ``id_triples``, ``beir``, ``nway_examples``, ``run`` and ``pylate``.
+        nway: documents per example (the first ``nway`` of each line of an n-way or PyLate file; None: all, the same
+            on every line); required with ``run``. Triples are N = 2.
+        max_triples: keep only the first N triples or examples (smoke runs).
+        batch_size: triples (examples) per optimizer step on each device.
+        seed: fixes the shuffling order of every epoch (and ``run_selection: sample``'s draw).
         idf_source, idf_max_docs: the collection an encoder that weights query terms (ColBERT-HIL) takes its IDF
             from at the start of training, when it has none yet (a model from ``init_from`` or a resumed
             checkpoint keeps its own); see :func:`idf_source_documents`. Ignored by other encoders.
@@ -238,20 +287,36 @@ class TriplesDataModule(pl.LightningDataModule):
                  batch_size: int = 32, num_workers: int = 0, shuffle: bool = True, seed: int = 12345,
                  data_dir: str | None = None, idf_source: str = "train", idf_max_docs: int | None = None,
                  id_triples: str | None = None, queries: str | None = None, collection: str | None = None,
-                 cache_dir: str | None = None):
+                 cache_dir: str | None = None, nway_examples: str | None = None, run: str | None = None,
+                 pylate: str | None = None, nway: int | None = None, qrels: str | None = None,
+                 run_depth: int | None = None, run_selection: str = "top", run_positives: str = "none",
+                 run_targets: str = "scores", relevance_level: int = 1, short_queries: str = "error"):
         super().__init__()
-        if sum(source is not None for source in (triples, id_triples, beir)) != 1:
+        sources = {"triples": triples, "id_triples": id_triples, "beir": beir, "nway_examples": nway_examples,
+                   "run": run, "pylate": pylate}
+        given = [name for name, value in sources.items() if value is not None]
+        if len(given) != 1:
             raise ValueError("data: give exactly one of `triples` (a TSV of text triples), `id_triples` (a TSV of "
-                             "qid, pid, pid with `queries` and `collection`) or `beir` (a dataset to mine triples "
-                             "from)")
-        if (id_triples is None) != (queries is None) or (id_triples is None) != (collection is None):
-            raise ValueError("data: `id_triples`, `queries` and `collection` go together (the id layout); give all "
-                             "three or none")
+                             "qid, pid, pid with `queries` and `collection`), `beir` (a dataset to mine triples "
+                             "from), `nway_examples`, `run` or `pylate` (n-way examples with `queries` and "
+                             f"`collection`); got {given or 'none'}")
+        (source,) = given
+        with_texts = source in ("id_triples", *EXAMPLE_SOURCES)
+        if with_texts and (queries is None or collection is None):
+            raise ValueError(f"data: `{source}`, `queries` and `collection` go together (`queries` and "
+                             f"`collection` hold the texts by id)")
+        if not with_texts and (queries is not None or collection is not None):
+            raise ValueError("data: `queries` and `collection` go together with `id_triples`, `nway_examples`, "
+                             "`run` or `pylate`")
+        if nway is not None and source not in EXAMPLE_SOURCES:
+            raise ValueError(f"data.nway applies to n-way examples (`nway_examples`, `run`, `pylate`); `{source}` "
+                             f"gives triples (N = 2)")
         if batch_size < 1:
             raise ValueError(f"data.batch_size must be >= 1 (got {batch_size})")
         if idf_max_docs is not None and idf_max_docs < 1:
             raise ValueError(f"data.idf_max_docs must be >= 1 or null (got {idf_max_docs})")
         self.save_hyperparameters()
+        self.source_kind = source
         self.train_dataset: TrainingTriples | None = None
 
     def idf_documents(self) -> tuple[Iterable[str], str] | None:
@@ -260,13 +325,40 @@ class TriplesDataModule(pl.LightningDataModule):
         return idf_source_documents(str(self.hparams.idf_source), self.hparams.idf_max_docs, self.train_dataset,
                                     self.hparams.data_dir)
 
+    def describe_source(self) -> str:
+        """The training source as its data key says it (``nway_examples=...``)."""
+        return f"data.{self.source_kind}={self.hparams[self.source_kind]}"
+
+    def has_teacher_scores(self) -> bool:
+        """Whether the training examples carry teacher scores (read off the first one; call setup('fit') first)."""
+        assert self.train_dataset is not None, "call setup('fit') first"
+        if self.source_kind not in EXAMPLE_SOURCES or len(self.train_dataset) == 0:
+            return False
+        first = self.train_dataset[0]
+        return isinstance(first, ScoredExample) and first.scores is not None
+
     def _file(self, name: str) -> Path:
         return resolve_data_file(self.hparams[name], self.hparams.data_dir)
 
-    def load_dataset(self) -> TrainingTriples:
-        """The training triples: read by index from a file, or a list (BM25-mined, or a ``.gz`` file)."""
+    def open_examples(self) -> ExampleSource:
+        """The n-way examples of ``nway_examples``, ``run`` or ``pylate`` (every line checked when first opened)."""
+        from hil.data.example_sources import open_example_source
+
         hp = self.hparams
-        if hp.id_triples is not None:
+        return open_example_source(
+            nway_examples=hp.nway_examples, run=hp.run, pylate=hp.pylate, queries=hp.queries,
+            collection=hp.collection, nway=hp.nway, qrels=hp.qrels, depth=hp.run_depth, selection=hp.run_selection,
+            positives=hp.run_positives, targets=hp.run_targets, relevance_level=hp.relevance_level,
+            seed=hp.seed, short_queries=hp.short_queries, limit=hp.max_triples, cache_dir=hp.cache_dir,
+            data_dir=hp.data_dir)
+
+    def load_dataset(self) -> TrainingTriples:
+        """The training triples: read by index from a file, or a list (BM25-mined, or a ``.gz`` file); or the n-way
+        examples."""
+        hp = self.hparams
+        if self.source_kind in EXAMPLE_SOURCES:
+            dataset = self.open_examples()
+        elif hp.id_triples is not None:
             dataset = IdTriplesFile(self._file("id_triples"), self._file("queries"), self._file("collection"),
                                     limit=hp.max_triples, cache_dir=hp.cache_dir)
         elif hp.triples is not None and self._file("triples").suffix != ".gz":
@@ -288,7 +380,8 @@ class TriplesDataModule(pl.LightningDataModule):
         """Take the line offsets of the files once, before the ranks' ``setup`` (Lightning runs this on one process
         per node first), so that the ranks map a finished cache instead of each scanning the file."""
         hp = self.hparams
-        if hp.id_triples is not None or (hp.triples is not None and self._file("triples").suffix != ".gz"):
+        if self.source_kind in ("id_triples", *EXAMPLE_SOURCES) or (
+                hp.triples is not None and self._file("triples").suffix != ".gz"):
             self.load_dataset()
 
     def setup(self, stage: str | None = None) -> None:
@@ -296,8 +389,9 @@ class TriplesDataModule(pl.LightningDataModule):
             self.train_dataset = self.load_dataset()
 
     def train_dataloader(self) -> StatefulDataLoader:
-        """Batches of string triples; the loader's position in the epoch is saved in checkpoints (the sampler's
-        state, see :class:`EpochShuffleSampler`), so a resumed run continues with the next unseen batch."""
+        """Batches of strings (:func:`collate_examples`); the loader's position in the epoch is saved in checkpoints
+        (the sampler's state, see :class:`EpochShuffleSampler`), so a resumed run continues with the next unseen
+        batch."""
         assert self.train_dataset is not None, "call setup('fit') first"
         # Shard by the trainer's ranks (DDP); without a trainer, by the process group if there is one.
         world = (self.trainer.distributed_sampler_kwargs or {}) if self.trainer is not None else {}
@@ -307,6 +401,6 @@ class TriplesDataModule(pl.LightningDataModule):
         with warnings.catch_warnings():  # torchdata 0.11 calls a torch telemetry hook torch 2.13 deprecates
             warnings.filterwarnings("ignore", message=".*set_vital.*")
             return StatefulDataLoader(self.train_dataset, batch_size=self.hparams.batch_size, sampler=sampler,
-                                      collate_fn=collate_triples, num_workers=self.hparams.num_workers,
+                                      collate_fn=collate_examples, num_workers=self.hparams.num_workers,
                                       persistent_workers=self.hparams.num_workers > 0,
                                       generator=torch.Generator().manual_seed(0))

@@ -16,8 +16,11 @@ experiments) share to print such an error; ``HIL_DEBUG=1`` (:data:`DEBUG_ENV`) k
 
 from __future__ import annotations
 
+import argparse
 import os
+import sys
 from pathlib import Path
+from typing import Callable, NoReturn
 
 DEBUG_ENV = "HIL_DEBUG"  # set to 1 for full tracebacks (and jsonargparse's usage screens)
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
@@ -82,3 +85,24 @@ def user_error(error: BaseException, also: tuple[type[BaseException], ...] = ())
             return current
         current = current.__cause__ or current.__context__
     return None
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors are one line, ``<prog>: error: <message> (see --help)``, exit status 2, not a usage
+    screen followed by the message (the commands' parsers)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def exit_status(prog: str, run: Callable[[], int], also: tuple[type[BaseException], ...] = ()) -> int:
+    """``run()``'s exit status; a user error (:func:`user_error`) becomes one line on stderr, ``<prog>: error:
+    <message>``, and status 2 (``HIL_DEBUG=1`` raises it with its traceback). Anything else (a bug) propagates."""
+    try:
+        return run()
+    except Exception as error:
+        shown = None if os.environ.get(DEBUG_ENV) else user_error(error, also)
+        if shown is None:
+            raise
+        print(f"{prog}: error: {' '.join(one_line(shown).split())}", file=sys.stderr)
+        return 2

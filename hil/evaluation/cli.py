@@ -6,6 +6,7 @@ Examples:
     python evaluate.py --model last.ckpt --dataset nfcorpus --mode rerank
     python evaluate.py --model M --dataset msmarco/dl19 --first-stage-run ../shared/data/msmarco/dl19/bm25-top100.trec \
         --relevance-level 2                                  # TREC DL19: re-rank the official BM25 top 100
+    python evaluate.py --model M --dataset irds:beir/scifact/test   # any ir_datasets id (pip install ir_datasets)
     python evaluate.py --model runs/colbert/export --dataset scifact --transform whitening   # + post-hoc whitening
     python evaluate.py --model M --dataset scifact --transform "whitening:k=64" --transform "remove-pcs:n_components=1"
     python evaluate.py --model runs/colbert/export --dataset scifact --encode-documents onnx-int8   # fast CPU indexing
@@ -36,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -45,20 +45,15 @@ import faiss
 import torch
 from transformers.utils import logging as transformers_logging
 
-from hil.data.beir import BeirDataset, load_beir
-from hil.data.errors import DEBUG_ENV, UserError, one_line, user_error
-from hil.evaluation.evaluate import (Evaluation, EvaluationSettings, evaluate, evaluate_bm25, evaluate_run_file,
-                                     evaluate_transformed, first_stage, subset_with_first_stage)
-from hil.evaluation.results import evaluation_statistics, format_statistics, format_table, write_results
-from hil.modeling.contracts import Encoder
-from hil.modeling.hil import HILEncoder
-from hil.modeling.loading import load_encoder
-from hil.retrieval.backends.registry import FAISS_KINDS as BACKEND_KINDS
-from hil.retrieval.backends.registry import backend_class
+from hil.data.errors import UserError, exit_status
+from hil.evaluation.evaluate import EvaluationSettings, run_name
+from hil.evaluation.results import format_statistics, format_table
+from hil.evaluation.runner import DatasetSpec, Experiment, ModelSpec, StatisticsSettings, run_experiment
+from hil.evaluation.statistics import P_ADJUST_METHODS
+from hil.retrieval.backends.configs import BACKEND_KINDS, configs_from_params, with_search_values
 from hil.retrieval.corpus_encoding import check_processes
 from hil.retrieval.devices import PRECISIONS, check_precision, resolve_device
 from hil.retrieval.fast_encode import DOCUMENT_ENCODINGS
-from hil.retrieval.index import encoder_fingerprint
 
 PROG = "evaluate.py"
 # Integer options that must be >= 1 when given (checked by ``check_arguments``, named in the message).
@@ -93,7 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True,
                         help="export directory, Lightning .ckpt, or a backbone name/path (ColBERT head untrained)")
-    parser.add_argument("--dataset", required=True, help="BEIR name (under HIL_DATA_DIR, else the hub) or folder")
+    parser.add_argument("--dataset", required=True,
+                        help="BEIR name (under HIL_DATA_DIR, else the hub) or folder, or irds:<ir_datasets id> "
+                             "(e.g. irds:beir/scifact/test, irds:msmarco-passage/trec-dl-2019/judged; needs "
+                             "pip install ir_datasets)")
     parser.add_argument("--split", default="test")
     parser.add_argument("--data-dir", default=None, help="overrides HIL_DATA_DIR")
     parser.add_argument("--mode", choices=("full", "rerank", "exhaustive", "bm25"), default=None,
@@ -109,12 +107,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rerank-depth", type=int, default=None,
                         help="candidates re-ranked per query (default: BM25's top 100, or every document of "
                              "--first-stage-run)")
-    parser.add_argument("--relevance-level", type=int, default=1,
-                        help="lowest grade binary metrics (recall, MAP, MRR, P) count as relevant; TREC DL uses 2. "
-                             "nDCG always uses the grades")
-    parser.add_argument("--faiss", choices=BACKEND_KINDS, default="flat", help="the index's search back-end")
-    parser.add_argument("--faiss-params", type=json_object, default=None,
-                        help='JSON, e.g. \'{"nlist": 1024, "m": 16, "nbits": 8, "nprobe": 16}\'')
+    parser.add_argument("--relevance-level", type=int, default=None,
+                        help="lowest grade binary metrics (recall, MAP, MRR, P) count as relevant; TREC DL uses 2 "
+                             "(default: 1, or for irds: the level of the dataset's official measures). nDCG always "
+                             "uses the grades")
+    parser.add_argument("--backend", "--faiss", dest="backend", choices=BACKEND_KINDS, default="flat",
+                        help="the index's search back-end (--faiss: the name before 0.2)")
+    parser.add_argument("--backend-params", "--faiss-params", dest="backend_params", type=json_object, default=None,
+                        help='its settings as JSON, build-time and search-time together, e.g. \'{"nlist": 1024, '
+                             '"m": 16, "nbits": 8, "nprobe": 16}\' (ivfpq) or \'{"n_centroids": 4096, "nprobe": 8, '
+                             '"ndocs": 256, "stage2_docs": 1024}\' (plaid); build-time ones decide the index, '
+                             'search-time ones are applied at every search (hil.retrieval.backends.configs)')
     parser.add_argument("--encode-documents", choices=("fp32", *DOCUMENT_ENCODINGS), default="fp32",
                         help="how the corpus is encoded (queries stay fp32): onnx-int8 = ONNX Runtime with int8 "
                              "matrix products, ~2x PyLate's speed on a CPU (bench/README has its nDCG@10 cost); "
@@ -140,7 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-docs", type=int, default=None, help="corpus slice: judged docs + sampled others")
     parser.add_argument("--seed", type=int, default=12345, help="sampling and untrained-head initialisation")
     parser.add_argument("--keep-self-matches", action="store_true", help="do not drop doc ids equal to the query id")
-    parser.add_argument("--dim", type=int, default=128, help="head size for an untrained backbone")
+    parser.add_argument("--dim", type=int, default=None,
+                        help="head size for an untrained backbone (default 128); a trained model keeps its own")
     parser.add_argument("--query-maxlen", type=int, default=None)
     parser.add_argument("--doc-maxlen", type=int, default=None)
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -159,58 +163,43 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-stats", action="store_true",
                         help="skip bootstrap intervals and paired significance tests")
     parser.add_argument("--bootstrap-samples", type=int, default=1000)
+    parser.add_argument("--p-adjust", choices=P_ADJUST_METHODS, default="holm",
+                        help="multiple-comparison adjustment of the paired tests' p-values, printed and recorded "
+                             "beside the raw ones: holm (Holm-Bonferroni), bh (Benjamini-Hochberg) or none")
     return parser
 
 
 def settings_from(args: argparse.Namespace) -> EvaluationSettings:
     """The evaluation settings the command line asks for (BM25-only runs use none)."""
+    backend, search = configs_from_params(args.backend, args.backend_params)
+    search = with_search_values(args.backend, search, {"ncandidates": args.ncandidates})
     return EvaluationSettings(
         mode="full" if args.mode == "bm25" else args.mode, k=args.k, drop_self_matches=not args.keep_self_matches,
-        index_root=args.index_root, backend=args.faiss, backend_params=args.faiss_params,
-        ncandidates=args.ncandidates, rerank_depth=args.rerank_depth or 100, batch_size=args.batch_size,
+        index_root=args.index_root, backend=backend, search=search,
+        rerank_depth=args.rerank_depth or 100, batch_size=args.batch_size,
         document_encoding=None if args.encode_documents == "fp32" else args.encode_documents,
         progress=not args.quiet, device=args.device, precision=args.precision, processes=args.processes,
         faiss_gpu=args.faiss_gpu, verify_index=args.verify_index)
 
 
-def load_model(args: argparse.Namespace, dataset: BeirDataset) -> Encoder:
-    """The model of ``--model`` (an untrained head with ``--dim`` etc. for a bare backbone), with its IDF
-    recomputed on the evaluated corpus for ``--idf corpus``."""
-    overrides = {k: v for k, v in {"dim": args.dim, "query_maxlen": args.query_maxlen,
-                                   "doc_maxlen": args.doc_maxlen}.items() if v is not None}
-    torch.manual_seed(args.seed)  # an untrained head is a seeded random projection
-    encoder = load_encoder(args.model, **overrides)
-    if args.idf == "corpus":
-        if not isinstance(encoder, HILEncoder):
-            raise UserError(f"--idf corpus needs a model with IDF weights (ColBERT-HIL); {args.model} is "
-                            f"{encoder.architecture}")
-        if encoder.idf_from_queries:  # the HIL authors' IDF is taken over the target dataset's queries
-            encoder.set_idf_from_texts(list(dataset.queries.values()),
-                                       source=f"{dataset.name} queries ({dataset.split})")
-        else:
-            encoder.set_idf_from_texts(dataset.documents(), source=f"{dataset.name} corpus ({dataset.split})")
-    return encoder
-
-
-def evaluate_model(args: argparse.Namespace, dataset: BeirDataset, candidates: dict[str, list[str]] | None
-                   ) -> tuple[list[Evaluation], dict[str, Any]]:
-    """The model as is and under each ``--transform``, over ``candidates`` when given; what each run was (source,
-    settings, fingerprint)."""
-    encoder = load_model(args, dataset)
-    settings = settings_from(args)
-    evaluations, models = [], {}
-    with torch.inference_mode():
-        evaluations.append(evaluate(encoder, dataset, settings, candidates=candidates))
-        models[evaluations[-1].name] = {"source": args.model, "settings": encoder.settings(),
-                                        "fingerprint": encoder_fingerprint(encoder)}
-        for spec in args.transform:
-            evaluation, transformed = evaluate_transformed(
-                encoder, dataset, spec, settings, transform_mode=args.transform_mode,
-                max_tokens=args.transform_max_tokens, seed=args.seed, candidates=candidates)
-            evaluations.append(evaluation)
-            models[evaluation.name] = {"source": args.model, "settings": transformed.settings(),
-                                       "fingerprint": encoder_fingerprint(transformed)}
-    return evaluations, models
+def experiment_from(args: argparse.Namespace) -> Experiment:
+    """The experiment the command line describes: one dataset (sliced, with its first-stage run), the model as is and
+    under each ``--transform``, BM25 or the run file as baseline, written into ``--output`` itself."""
+    dataset = DatasetSpec(args.dataset, split=args.split, first_stage_run=args.first_stage_run,
+                          rerank_depth=args.rerank_depth, relevance_level=args.relevance_level,
+                          max_queries=args.max_queries, max_docs=args.max_docs)
+    models = [] if args.mode == "bm25" else [ModelSpec(
+        args.model, name="{architecture}-{mode}", transforms=tuple(args.transform),
+        transform_name="{architecture}+{transform}-{transform_mode}-{mode}", transform_mode=args.transform_mode,
+        transform_max_tokens=args.transform_max_tokens, idf=args.idf, dim=args.dim, query_maxlen=args.query_maxlen,
+        doc_maxlen=args.doc_maxlen)]
+    statistics = StatisticsSettings(enabled=not args.no_stats, bootstrap_samples=args.bootstrap_samples,
+                                    p_adjust=args.p_adjust)
+    output = args.output or Path("results") / run_name(Path(args.dataset.removeprefix("irds:")).name) / \
+        Path(args.model).name
+    return Experiment([dataset], models, output, settings=settings_from(args), statistics=statistics,
+                      baseline=not args.no_bm25 or args.mode == "bm25", folders="flat", seed=args.seed,
+                      data_dir=args.data_dir, quiet=True, command=vars(args))
 
 
 def check_arguments(args: argparse.Namespace) -> None:
@@ -229,11 +218,12 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.first_stage_run and args.mode not in ("rerank", "exhaustive"):
         raise UserError(f"--first-stage-run gives candidates to re-rank: it needs --mode rerank or exhaustive, not "
                         f"{args.mode}")
-    if args.faiss_params:
-        try:  # the back-end's own list of what it accepts
-            backend_class(args.faiss).check_params(args.faiss_params)
-        except ValueError as error:
-            raise UserError(f"--faiss-params with --faiss {args.faiss}: {error}") from None
+    try:  # the back-end's own settings classes: unknown keys and out-of-range values, before any work
+        _, search = configs_from_params(args.backend, args.backend_params)
+        with_search_values(args.backend, search, {"ncandidates": args.ncandidates})
+    except ValueError as error:
+        raise UserError(f"--backend-params / --ncandidates with --backend {args.backend}: {error}") from None
+
     try:
         device = resolve_device(args.device)
         check_precision(args.precision, device)
@@ -245,75 +235,30 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise UserError(f"--{error}") from None  # its messages start with "processes"
 
 
-def load_data(args: argparse.Namespace) -> tuple[BeirDataset, Evaluation | None, dict[str, list[str]] | None]:
-    """The dataset (sliced as asked), the first-stage run file scored on it, and that run's candidates."""
-    # Judgments of documents outside the corpus (official BEIR qrels have some; a re-ranking set has many) are kept,
-    # as BEIR and trec_eval keep them (they count in the ideal DCG): one warning gives their count, and
-    # metrics.json records it.
-    dataset = load_beir(args.dataset, split=args.split, data_dir=args.data_dir, judged_outside_corpus="keep",
-                        relevance_level=args.relevance_level)
-    first = None
-    if args.first_stage_run:  # checked against the whole dataset, then sliced with it
-        first = evaluate_run_file(args.first_stage_run, dataset, drop_self_matches=not args.keep_self_matches)
-        first.details["rerank_depth"] = args.rerank_depth or first.details["depth"]
-    dataset, first, candidates = subset_with_first_stage(
-        dataset, first, args.max_queries or None, args.max_docs or None, seed=args.seed, depth=args.rerank_depth,
-        drop_self_matches=not args.keep_self_matches)
-    if first is not None and len(first.run) < len(dataset.queries):
-        logging.getLogger(__name__).warning("%s: %d of %d judged queries have no document in the run (they score 0)",
-                                            args.first_stage_run, len(dataset.queries) - len(first.run),
-                                            len(dataset.queries))
-    return dataset, first, candidates
-
-
 def main(argv: list[str]) -> int:
     """``evaluate.py`` with ``argv``; -> the exit status. A user error (see the module docstring) is one line on
     stderr and status 2; ``HIL_DEBUG=1`` raises it with its traceback instead."""
-    try:
-        return run(argv)
-    except Exception as error:
-        shown = None if os.environ.get(DEBUG_ENV) else user_error(error)
-        if shown is None:
-            raise
-        print(f"{PROG}: error: {one_line(shown)}", file=sys.stderr)
-        return 2
+    return exit_status(PROG, lambda: run(argv))
 
 
 def run(argv: list[str]) -> int:
     """Evaluate as ``argv`` asks and write the results; user errors are raised (``main`` prints them)."""
     args = build_parser().parse_args(argv)
+    if any(arg.split("=")[0] in ("--faiss", "--faiss-params") for arg in argv):
+        logging.getLogger(__name__).warning("--faiss / --faiss-params are deprecated (one release): use --backend / "
+                                            "--backend-params")
     check_arguments(args)
     if args.quiet:  # transformers' own bars too ("Loading weights"), so that stderr holds only what went wrong
         transformers_logging.disable_progress_bar()
     if args.threads:
         torch.set_num_threads(args.threads)
         faiss.omp_set_num_threads(args.threads)
-    dataset, first, candidates = load_data(args)
-    evaluations: list[Evaluation] = [first] if first is not None else []
-    models: dict[str, Any] = {}
-    bm25 = None
-    if first is None and (not args.no_bm25 or args.mode in ("rerank", "bm25")):
-        depth = args.rerank_depth or 100
-        bm25 = evaluate_bm25(dataset, k=max(args.k, depth), drop_self_matches=not args.keep_self_matches)
-        evaluations.append(bm25)
-        candidates = first_stage(bm25, depth) if args.mode == "rerank" else None
-    if args.mode != "bm25":
-        model_evaluations, models = evaluate_model(args, dataset, candidates)
-        evaluations += model_evaluations
-    baseline = first or bm25
-    statistics = None
-    if not args.no_stats and evaluations:
-        model_runs = [e.name for e in evaluations if e is not baseline]
-        pairs = [(name, baseline.name) for name in model_runs if baseline is not None]
-        pairs += [(name, model_runs[0]) for name in model_runs[1:]]  # each transform vs the plain model
-        statistics = evaluation_statistics(evaluations, metrics=("ndcg@10", "mrr@10", "recall@100"), pairs=pairs,
-                                           n_bootstrap=args.bootstrap_samples, seed=args.seed)
-    output = Path(args.output) if args.output else Path("results") / dataset.name / Path(args.model).name
-    path = write_results(output, dataset, evaluations, vars(args), models, statistics=statistics)
+    (result,) = run_experiment(experiment_from(args))
+    dataset, evaluations, path = result.dataset, result.evaluations(), result.metrics_path
     print(f"\n{dataset.name} ({dataset.split}: {len(dataset.queries)} queries, {len(dataset.corpus)} documents)")
     print(format_table(evaluations))
-    if statistics is not None:
-        print("\n" + format_statistics(statistics))
+    if result.statistics is not None:
+        print("\n" + format_statistics(result.statistics))
     print(f"\nwrote {path}")
     return 0
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 import time
+import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -31,6 +32,8 @@ from hil.data.errors import UserError
 from hil.evaluation.metrics import DEFAULT_METRICS, evaluate_run
 from hil.evaluation.runs import candidates_from_run, read_trec_run, run_depth
 from hil.modeling.contracts import EncodedBatch, Encoder
+from hil.retrieval.backends.configs import (IndexConfig, SearchConfig, check_search, configs_from_params,
+                                            index_config, with_search_values)
 from hil.retrieval.builder import open_or_build_index
 from hil.retrieval.corpus_encoding import check_processes
 from hil.retrieval.devices import PRECISIONS, autocast, check_precision, faiss_gpu_for, resolve_device
@@ -51,12 +54,20 @@ class EvaluationSettings:
     Args:
         mode: ``full``, ``rerank`` or ``exhaustive`` (see the module docstring).
         k: documents ranked per query.
-        metrics, drop_self_matches: what pytrec_eval measures; documents whose id equals the query id are dropped
-            first, as BEIR does.
+        metrics: what pytrec_eval measures.
+        drop_self_matches: BEIR's rule for sets whose queries are also corpus documents: the document whose id is
+            the query's is skipped before the top-k cut (k other documents are ranked, as BEIR retrieves k + 1 and
+            skips it), by every search and by BM25; metrics drop it too.
         index_root: where indexes live (``<root>/<dataset>-<fp>/<encoder fp>``); None encodes in memory.
-        backend, backend_params: the index's search back-end (``flat``, ``ivfflat``, ``ivfpq``, ``plaid``) and
-            its parameters (``hil.retrieval.backends``).
-        ncandidates: token neighbours per query token (FAISS back-ends; None: the search default).
+        backend: the index's search back-end: a kind (``flat``, ``ivfflat``, ``ivfpq``, ``plaid``, with its
+            defaults) or its build-time settings (an :class:`~hil.retrieval.backends.configs.IndexConfig`); after
+            construction always the latter. A reused index is compared on these only.
+        search: the back-end's search-time settings (a :class:`~hil.retrieval.backends.configs.SearchConfig`;
+            None: its defaults, :attr:`resolved_search`), applied at every search; the results record the values
+            the back-end used.
+        backend_params, ncandidates: the untyped spelling before 0.2 (deprecated): a dict split into build-time
+            and search-time settings, and the token neighbours per query token; folded into ``backend`` and
+            ``search`` at construction (then None).
         rerank_depth: candidates per query kept from a first stage (``first_stage``).
         batch_size, query_batch_size: documents / queries per encoding batch.
         document_encoding: encode the corpus through a cheaper encoder (``"onnx-int8"``, ...; queries keep the
@@ -83,7 +94,8 @@ class EvaluationSettings:
     metrics: tuple[str, ...] = tuple(DEFAULT_METRICS)
     drop_self_matches: bool = True
     index_root: str | Path | None = "indexes"
-    backend: str = "flat"
+    backend: str | IndexConfig = "flat"
+    search: SearchConfig | None = None
     backend_params: Mapping[str, Any] | None = None
     ncandidates: int | None = None
     rerank_depth: int = 100
@@ -113,6 +125,37 @@ class EvaluationSettings:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise UserError(f"{name} must be >= 1 (got {value})")
+        self._fold_backend_settings()
+
+    def _fold_backend_settings(self) -> None:
+        """``backend`` as an IndexConfig and ``search`` as the matching SearchConfig, the deprecated
+        ``backend_params`` / ``ncandidates`` folded into them (frozen: set once, here); ``search`` stays None when
+        none was given (:attr:`resolved_search` is what a search applies)."""
+        backend, search = index_config(self.backend), self.search
+        if self.backend_params is not None or self.ncandidates is not None:
+            warnings.warn("EvaluationSettings(backend_params=..., ncandidates=...) is deprecated: pass "
+                          "backend=<IndexConfig> and search=<SearchConfig> (hil.retrieval.backends.configs)",
+                          DeprecationWarning, stacklevel=4)
+        if self.backend_params:
+            if backend.given() != type(backend)().given():
+                raise UserError("give build-time settings either as backend=<IndexConfig> or in backend_params, "
+                                "not both")
+            backend, from_params = configs_from_params(backend.kind, self.backend_params)
+            search = with_search_values(backend.kind, search, from_params.given()) if search is not None \
+                else from_params
+        if self.ncandidates is not None:
+            search = with_search_values(backend.kind, search, {"ncandidates": self.ncandidates})
+        if search is not None:
+            check_search(backend.kind, search)  # settings of another back-end are refused here
+        for name, value in (("backend", backend), ("search", search), ("backend_params", None),
+                            ("ncandidates", None)):
+            object.__setattr__(self, name, value)
+
+    @property
+    def resolved_search(self) -> SearchConfig:
+        """The search-time settings applied: ``search``, or the back-end's defaults when it is None (kept None in
+        the settings so that a default is never recorded or compared as a request)."""
+        return check_search(self.backend.kind, self.search)
 
 
 @dataclass
@@ -156,11 +199,12 @@ def evaluate_run_file(path: str | Path, dataset: BeirDataset, metrics: Sequence[
 
 def evaluate_bm25(dataset: BeirDataset, k: int = 1000, metrics: Sequence[str] = DEFAULT_METRICS,
                   drop_self_matches: bool = True) -> Evaluation:
-    """BM25 (``hil.data.bm25``): the baseline row, and the first stage of re-ranking."""
+    """BM25 (``hil.data.bm25``): the baseline row, and the first stage of re-ranking. With ``drop_self_matches``
+    the query's own document is skipped before the cut (k others are ranked, BEIR's rule)."""
     started = time.perf_counter()
-    run = bm25_run(dataset, k=k)
-    return score_run("bm25", dataset, run, metrics, drop_self_matches, mode="bm25",
-                     search_seconds=round(time.perf_counter() - started, 3))
+    run = bm25_run(dataset, k=k, skip_self=drop_self_matches)
+    return score_run("bm25", dataset, run, metrics, drop_self_matches, mode="bm25", k=k,
+                     skip_self=drop_self_matches, search_seconds=round(time.perf_counter() - started, 3))
 
 
 def subset_with_first_stage(dataset: BeirDataset, first: Evaluation | None, n_queries: int | None,
@@ -230,36 +274,36 @@ def document_store(encoder: Encoder, dataset: BeirDataset, settings: EvaluationS
     quantize.update(use_gpu=gpu is not None, gpu_device=gpu or 0)
     return open_or_build_index(encoder, dataset.doc_ids(), dataset.documents(),
                                index_dir(settings.index_root, dataset, encoder, settings.document_encoding),
-                               batch_size=settings.batch_size, faiss_kind=settings.backend,
-                               faiss_params=dict(settings.backend_params or {}),
+                               batch_size=settings.batch_size, backend=settings.backend,
                                corpus_fingerprint=dataset.fingerprint(), progress=settings.progress,
                                verify=settings.verify_index, **quantize)
 
 
 def _search(encoder: Encoder, dataset: BeirDataset, store: TokenStore | None, settings: EvaluationSettings,
             candidates: dict[str, list[str]] | None) -> tuple[SearchResult, HeadScores | None]:
-    queries, k, progress = dataset.queries, settings.k, settings.progress
+    queries, k, progress, skip_self = dataset.queries, settings.k, settings.progress, settings.drop_self_matches
     if settings.mode == "full":
         if not isinstance(store, TokenIndex):
             raise ValueError("full ranking searches an index on disk (a TokenIndex), not documents held in memory")
-        options: dict[str, Any] = {} if settings.ncandidates is None else {"ncandidates": settings.ncandidates}
         gpu = faiss_on_gpu(settings, encoder.device)
-        if gpu is not None:
-            options.update(use_gpu=True, gpu_device=gpu)
-        return full_rank(encoder, store, queries, k=k, progress=progress, batch_size=settings.query_batch_size,
-                         keep_candidate_sources=settings.keep_candidate_sources, **options), None
+        options: dict[str, Any] = {} if gpu is None else {"use_gpu": True, "gpu_device": gpu}
+        return full_rank(encoder, store, queries, k=k, search=settings.resolved_search, progress=progress,
+                         batch_size=settings.query_batch_size, keep_candidate_sources=settings.keep_candidate_sources,
+                         skip_self=skip_self, **options), None
     if settings.mode == "rerank":
         texts = None if store is not None else {doc_id: dataset.doc_text(doc_id) for docs in candidates.values()
                                                 for doc_id in docs}
         return rerank(encoder, store, queries, candidates, texts, k=k, batch_size=settings.query_batch_size,
-                      doc_batch_size=settings.batch_size, progress=progress), None
+                      doc_batch_size=settings.batch_size, progress=progress, skip_self=skip_self), None
     if not settings.keep_head_scores and candidates is None:
         return exact_rank(encoder, store, queries, k=k, batch_size=settings.query_batch_size,
-                          progress=progress), None
+                          progress=progress, skip_self=skip_self), None
     encoded, heads, total = exhaustive_scores(encoder, store, queries, batch_size=settings.query_batch_size)
     qids = list(queries)
-    result = SearchResult(rank_matrix(total, qids, store.doc_ids, k, candidates), {qid: {} for qid in qids},
-                          {"n_queries": len(qids), "k": k, "candidates_mean": float(store.n_docs)})
+    result = SearchResult(rank_matrix(total, qids, store.doc_ids, k, candidates, skip_self=skip_self),
+                          {qid: {} for qid in qids},
+                          {"n_queries": len(qids), "k": k, "skip_self": skip_self,
+                           "candidates_mean": float(store.n_docs)})
     return result, HeadScores(qids, heads, encoded) if settings.keep_head_scores else None
 
 
@@ -286,8 +330,9 @@ def evaluate(encoder: Encoder, dataset: BeirDataset, settings: EvaluationSetting
                                "processes": settings.processes, "index_seconds": round(index_seconds, 3),
                                "search_seconds": round(search_seconds, 3), "search_stats": result.stats,
                                "sources": result.sources}
-    if isinstance(store, TokenIndex):
-        details.update(index_dir=str(store.directory), document_encoding=store.meta.get("document_encoding"))
+    if isinstance(store, TokenIndex):  # read back from the index: what the search structures were built with
+        details.update(index_dir=str(store.directory), document_encoding=store.meta.get("document_encoding"),
+                       backend=store.backend_settings)
     evaluation = score_run(name or f"{encoder.architecture}-{settings.mode}", dataset, result.run, settings.metrics,
                            settings.drop_self_matches, **details)
     evaluation.head_scores, evaluation.store = head_scores, store
@@ -315,8 +360,8 @@ def evaluate_transformed(encoder: Encoder, dataset: BeirDataset, spec: str,
                                           max_docs=max_docs, seed=seed)
     fit_seconds = time.perf_counter() - started
     derived = open_or_derive_index(base, transformed, index_dir(settings.index_root, dataset, transformed),
-                                   faiss_kind=settings.backend, faiss_params=dict(settings.backend_params or {}),
-                                   progress=settings.progress, verify=settings.verify_index)
+                                   backend=settings.backend, progress=settings.progress,
+                                   verify=settings.verify_index)
     evaluation = evaluate(transformed, dataset, settings, candidates=candidates, store=derived,
                           name=name or run_name(f"{encoder.architecture}+{spec}-{transform_mode}-{settings.mode}"))
     evaluation.details["transform"] = {**transformed.transform_settings(), "fit_seconds": round(fit_seconds, 3),

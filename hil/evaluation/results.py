@@ -2,7 +2,7 @@
 
 ``evaluation_statistics`` gives bootstrap intervals per run and paired tests between runs (``hil.evaluation.
 statistics``) and the BM25-Easy split; ``write_results`` records them with the settings, versions and fingerprints
-that made them (DESIGN: settings travel with artifacts).
+that made them (docs/design.md: settings travel with artifacts).
 
 Results files are written whole and by one process at a time: every file goes through a temporary name and a rename
 (:func:`hil.provenance.atomic_output`), ``metrics.json`` last, all under the folder's lock file
@@ -22,16 +22,21 @@ from hil.data.beir import BeirDataset
 from hil.evaluation.evaluate import Evaluation
 from hil.evaluation.metrics import DEFAULT_METRICS
 from hil.evaluation.runs import write_trec_run
-from hil.evaluation.statistics import (bm25_easy_split, bootstrap_ci, paired_bootstrap_test, paired_permutation_test,
+from hil.evaluation.statistics import (P_ADJUST_NAMES, SIGNIFICANCE_LEVEL, add_adjusted, adjust_p_values,
+                                       bm25_easy_split, bootstrap_ci, paired_bootstrap_test, paired_permutation_test,
                                        paired_t_test)
 from hil.provenance import file_lock, provenance, write_json_atomic
 
 RESULTS_LOCK = ".hil-results.lock"  # inside the results folder (which is never replaced as a whole)
+# The comparisons adjusted together: a reference run's several challengers on one metric (every model against BM25;
+# every transform against the plain model), as 001 Table 2 compares every variant with ColBERT.
+PAIRED_FAMILY = "the runs compared with one reference run (b) on one metric"
 
 
 def evaluation_statistics(evaluations: Sequence[Evaluation], *, metrics: Sequence[str] = ("ndcg@10",),
                           pairs: Sequence[tuple[str, str]] | None = None, n_bootstrap: int = 1000,
-                          n_permutations: int = 10000, confidence: float = 0.95, seed: int = 0) -> dict[str, Any]:
+                          n_permutations: int = 10000, confidence: float = 0.95, seed: int = 0,
+                          p_adjust: str = "holm") -> dict[str, Any]:
     """Bootstrap CIs per run and metric, paired tests between runs, and the BM25-Easy split (when BM25 ran).
 
     ``bootstrap``: 004 Section 2.1 percentile intervals of the mean per-query metric (m = ``n_bootstrap``
@@ -39,11 +44,18 @@ def evaluation_statistics(evaluations: Sequence[Evaluation], *, metrics: Sequenc
     the model vs BM25) the paired t-test, the paired permutation test and the paired bootstrap test of ``a - b``
     on each metric (001 Table 2's dagger). ``bm25_easy``: 001 Table 4, each run's mean on the queries in the top
     half of BM25's per-query nDCG@10 and on the rest. Metrics a run lacks per query are skipped.
+
+    Each paired row also carries ``p_t_test_adjusted``, ``p_permutation_adjusted`` and ``p_bootstrap_adjusted``:
+    adjusted for multiple comparisons by ``p_adjust`` (``hil.evaluation.statistics.adjust_p_values``: "holm",
+    "bh" or "none") within the family :data:`PAIRED_FAMILY`, recorded under ``p_adjust``.
     """
     by_name = {e.name: e for e in evaluations}
 
     result: dict[str, Any] = {"confidence": confidence, "n_bootstrap": n_bootstrap,
-                              "n_permutations": n_permutations, "seed": seed, "bootstrap": {}, "paired": []}
+                              "n_permutations": n_permutations, "seed": seed, "bootstrap": {}, "paired": [],
+                              "p_adjust": {"method": p_adjust, "family": PAIRED_FAMILY,
+                                           "significance": SIGNIFICANCE_LEVEL}}
+    adjust_p_values([], p_adjust)  # an unknown method is refused before any test runs
     for evaluation in evaluations:
         rows = {}
         for metric in metrics:
@@ -72,6 +84,8 @@ def evaluation_statistics(evaluations: Sequence[Evaluation], *, metrics: Sequenc
                                      "t": t.statistic, "p_t_test": t.p_value, "p_permutation": perm.p_value,
                                      "permutation_method": perm.method, "p_bootstrap": boot.p_value,
                                      "diff_ci": list(boot.ci) if boot.ci else None})
+    add_adjusted(result["paired"], ("p_t_test", "p_permutation", "p_bootstrap"),
+                 lambda row: (row["metric"], row["b"]), p_adjust)
     bm25 = next((e for e in evaluations if e.name == "bm25"), None)
     if bm25 is not None and _metric_values(bm25, "ndcg@10"):
         result["bm25_easy"] = _bm25_easy(evaluations, bm25, metrics)
@@ -108,12 +122,21 @@ def format_statistics(statistics: dict[str, Any]) -> str:
         for metric, row in rows.items():
             lines.append(f"  {name:<40} {metric:<12} {row['observed']:.4f}  [{row['low']:.4f}, {row['high']:.4f}]")
     if statistics["paired"]:
-        lines.append("paired tests (a - b)")
+        method = statistics.get("p_adjust", {}).get("method", "none")
+        lines.append("paired tests (a - b)" + ("" if method == "none" else
+                     f"; in parentheses p adjusted by {P_ADJUST_NAMES[method]} over {PAIRED_FAMILY}"))
         for row in statistics["paired"]:
-            lines.append(f"  {row['a']} vs {row['b']} {row['metric']}: diff {row['mean_diff']:+.4f} "
-                         f"t-test p={row['p_t_test']:.3g} permutation p={row['p_permutation']:.3g} "
-                         f"bootstrap p={row['p_bootstrap']:.3g} (n={row['n']})")
+            lines.append(f"  {row['a']} vs {row['b']} {row['metric']}: diff {row['mean_diff']:+.4f} " + " ".join(
+                f"{test} p={_p_text(row, key, method)}" for test, key in
+                (("t-test", "p_t_test"), ("permutation", "p_permutation"), ("bootstrap", "p_bootstrap")))
+                + f" (n={row['n']})")
     return "\n".join(lines)
+
+
+def _p_text(row: dict[str, Any], key: str, method: str) -> str:
+    """``0.0031`` or, adjusted, ``0.0031 (holm 0.0093)``."""
+    adjusted = row.get(f"{key}_adjusted")
+    return f"{row[key]:.3g}" + ("" if method == "none" or adjusted is None else f" ({method} {adjusted:.3g})")
 
 
 def dataset_record(dataset: BeirDataset) -> dict[str, Any]:
@@ -128,10 +151,10 @@ def dataset_record(dataset: BeirDataset) -> dict[str, Any]:
 
 def write_results(directory: str | Path, dataset: BeirDataset, evaluations: list[Evaluation],
                   settings: dict[str, Any], models: dict[str, Any],
-                  statistics: dict[str, Any] | None = None) -> Path:
+                  statistics: dict[str, Any] | None = None, write_runs: bool = True) -> Path:
     """``metrics.json`` (settings, versions, dataset/model fingerprints, aggregates, optional statistics),
-    per-query JSON, TREC runs; each file atomically, ``metrics.json`` last, under the folder's lock (module
-    docstring)."""
+    per-query JSON, TREC runs (unless ``write_runs`` is False: the experiment runner writes each column's run
+    itself); each file atomically, ``metrics.json`` last, under the folder's lock (module docstring)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     record = provenance(settings,
@@ -142,7 +165,7 @@ def write_results(directory: str | Path, dataset: BeirDataset, evaluations: list
                                  for e in evaluations},
                         **({"statistics": statistics} if statistics is not None else {}))
     with file_lock(directory / RESULTS_LOCK, what="writing results"):
-        for evaluation in evaluations:
+        for evaluation in evaluations if write_runs else ():
             write_trec_run(directory / f"{evaluation.name}.trec", evaluation.run, tag=evaluation.name)
         write_json_atomic(directory / "per_query.json", {e.name: e.per_query for e in evaluations})
         write_json_atomic(directory / "metrics.json", record)  # last: complete results are those it names

@@ -13,6 +13,11 @@ Sources:
   ``paired_permutation_test`` and ``paired_bootstrap_test`` are offered, their sign flips and resamples drawn
   by ``scipy.stats.permutation_test`` and ``scipy.stats.bootstrap``. Table 4's "BM25-Easy" split:
   ``bm25_easy_split``.
+* Many comparisons (a table tests ten variants against one baseline): ``adjust_p_values`` gives Holm-Bonferroni
+  (Holm 1979, "A simple sequentially rejective multiple test procedure", Scand. J. Statist. 6; controls the
+  family-wise error rate; the default) or Benjamini-Hochberg (Benjamini & Hochberg 1995, J. R. Statist. Soc. B 57;
+  controls the false discovery rate, by ``scipy.stats.false_discovery_control``) adjusted p-values;
+  ``adjust_in_families`` adjusts each family (e.g. every run against one reference on one metric) on its own.
 
 Per-query inputs are ``{qid: value}`` dicts (or 1-D arrays already aligned). Paired tests align two dicts on
 their query ids; all random draws come from ``numpy.random.default_rng(seed)`` so results are reproducible.
@@ -23,7 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal, Mapping, Sequence, Union
+from typing import Any, Callable, Hashable, Literal, Mapping, MutableMapping, Sequence, Union
 
 import numpy as np
 from scipy import stats as scipy_stats
@@ -31,6 +36,10 @@ from scipy import stats as scipy_stats
 
 PerQuery = Union[Mapping[str, float], Sequence[float], np.ndarray]
 Align = Literal["same", "intersection"]
+P_ADJUST_METHODS: tuple[str, ...] = ("holm", "bh", "none")
+P_ADJUST_NAMES = {"holm": "Holm-Bonferroni (family-wise error rate)",
+                  "bh": "Benjamini-Hochberg (false discovery rate)", "none": "none (raw p-values)"}
+SIGNIFICANCE_LEVEL = 0.01  # 001 Table 2's dagger: "p-value < 0.01 in comparison to ColBERT"
 
 # Bootstrap index matrices are drawn in chunks of about this many entries, to bound memory (m * l can be 1e8).
 _CHUNK_ENTRIES = 1 << 22
@@ -306,6 +315,79 @@ def paired_bootstrap_test(a: PerQuery, b: PerQuery, n_samples: int = 10000, seed
         ci = (float(result.confidence_interval.low), float(result.confidence_interval.high))
     p_value = _upper_tail_p_value(np.abs(means - observed), abs(observed), _tie_tolerance(diff), enumerated=False)
     return PairedTestResult(observed, p_value, observed, n, "paired_bootstrap", ci=ci)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# many comparisons: adjusted p-values
+
+
+def holm_adjusted(p_values: Sequence[float] | np.ndarray) -> np.ndarray:
+    """Holm-Bonferroni adjusted p-values (Holm 1979) of finite p-values in [0, 1], in the input's order.
+
+    With the m p-values sorted ascending, ``p_(1) <= ... <= p_(m)``, the adjusted value of the i-th is
+    ``max_{j <= i} min(1, (m - j + 1) p_(j))``: rejecting where it is <= alpha is Holm's step-down procedure at
+    family-wise level alpha. Tied p-values get the same adjusted value (the running maximum carries the first
+    one's). Same values as ``statsmodels.stats.multitest.multipletests(p, method="holm")[1]``.
+    """
+    p = np.asarray(p_values, dtype=float)
+    m = p.size
+    order = np.argsort(p, kind="stable")  # (m,)
+    scaled = np.minimum(1.0, (m - np.arange(m)) * p[order])  # (m - j + 1) p_(j) for j = 1..m
+    adjusted = np.empty(m)
+    adjusted[order] = np.maximum.accumulate(scaled)
+    return adjusted
+
+
+def adjust_p_values(p_values: Sequence[float | None] | np.ndarray, method: str = "holm") -> np.ndarray:
+    """Adjusted p-values of one family of comparisons, in the input's order (a float array).
+
+    ``method``: ``"holm"`` (Holm-Bonferroni, :func:`holm_adjusted`; the default), ``"bh"`` (Benjamini-Hochberg,
+    ``scipy.stats.false_discovery_control(p, method="bh")``: ``min_{j >= i} min(1, m p_(j) / j)``) or ``"none"``
+    (the raw values). A NaN or None (a comparison that could not be tested) stays NaN and is not counted in the
+    family size m. Every adjusted value lies in [raw, 1], and the order of the raw values is kept.
+    """
+    if method not in P_ADJUST_METHODS:
+        raise ValueError(f"p-value adjustment must be one of {', '.join(P_ADJUST_METHODS)}, got {method!r}")
+    p = np.asarray([np.nan if v is None else v for v in p_values], dtype=float).reshape(-1)
+    tested = ~np.isnan(p)
+    if np.any((p[tested] < 0) | (p[tested] > 1)):
+        raise ValueError(f"p-values must lie in [0, 1], got {p[tested][(p[tested] < 0) | (p[tested] > 1)][:3]}")
+    adjusted = p.copy()
+    if method == "none" or not tested.any():
+        return adjusted
+    if method == "holm":
+        adjusted[tested] = holm_adjusted(p[tested])
+    else:
+        adjusted[tested] = scipy_stats.false_discovery_control(p[tested], method="bh")
+    return adjusted
+
+
+def adjust_in_families(p_values: Sequence[float | None], families: Sequence[Hashable],
+                       method: str = "holm") -> list[float | None]:
+    """:func:`adjust_p_values` within each family: ``families[i]`` names the family of ``p_values[i]``, and the
+    values of one family are adjusted together, apart from the others. None or NaN stays None."""
+    if len(p_values) != len(families):
+        raise ValueError(f"{len(p_values)} p-values but {len(families)} family labels")
+    adjusted: list[float | None] = [None] * len(p_values)
+    members: dict[Hashable, list[int]] = {}
+    for i, family in enumerate(families):
+        members.setdefault(family, []).append(i)
+    for indices in members.values():
+        for i, value in zip(indices, adjust_p_values([p_values[i] for i in indices], method)):
+            adjusted[i] = None if math.isnan(value) else float(value)
+    return adjusted
+
+
+def add_adjusted(rows: Sequence[MutableMapping[str, Any]], fields: Sequence[str],
+                 family: Callable[[Mapping[str, Any]], Hashable], method: str = "holm") -> None:
+    """Write ``row[f"{field}_adjusted"]`` beside each raw p-value ``row[field]``: adjusted (:func:`adjust_in_families`)
+    among the rows of the same ``family(row)``, each field on its own (two tests of one comparison are not two
+    comparisons). Rows without the field are no part of its families and get nothing."""
+    for field in fields:
+        tested = [row for row in rows if field in row]
+        for row, value in zip(tested, adjust_in_families([row[field] for row in tested],
+                                                         [family(row) for row in tested], method)):
+            row[f"{field}_adjusted"] = value
 
 
 # ----------------------------------------------------------------------------------------------------------

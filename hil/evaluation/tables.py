@@ -1,5 +1,8 @@
 """Number formatting and Markdown tables shared by every report (analysis, paper experiment, benchmark).
 
+A table with more than one comparison shows adjusted p-values beside the raw ones (or marks significance by the
+adjusted ones) and states in its legend the correction, the family and the threshold (:func:`adjustment_legend`).
+
 >>> markdown_table(["run", "nDCG@10"], [["bm25", 0.67623], ["colbert", None]])
 ['| run | nDCG@10 |', '|---|---|', '| bm25 | 0.6762 |', '| colbert | n/a |']
 >>> pct(0.60312), relative(0.606, 0.603), p_value(0.00004), p_value(0.7912)
@@ -10,6 +13,8 @@ from __future__ import annotations
 
 import math
 from typing import Any, Sequence
+
+from hil.evaluation.statistics import P_ADJUST_NAMES
 
 
 def fmt(value: Any, digits: int = 4) -> str:
@@ -48,3 +53,24 @@ def p_value(value: float | None) -> str:
     if _missing(value):
         return "-"
     return f"{value:.2g}" if value >= 1e-3 else "<0.001"
+
+
+def p_with_adjusted(raw: float | None, adjusted: float | None, method: str) -> str:
+    """A raw p-value and, unless the method is "none", its adjusted value: ``"0.004 (holm 0.02)"``."""
+    return p_value(raw) if method == "none" else f"{p_value(raw)} ({method} {p_value(adjusted)})"
+
+
+def adjustment_legend(method: str, family: str, level: float | None = None, mark: str = "†",
+                      test: str = "paired t-test") -> str:
+    """The legend of a table with several comparisons: the correction, which comparisons were corrected together
+    (``family``) and, when the table marks significance, the threshold of its mark: "Multiple comparisons: p-values
+    adjusted by Holm-Bonferroni (family-wise error rate) within each family, a family being <family>; † =
+    holm-adjusted paired t-test p < 0.01."
+    """
+    if method == "none":
+        text, decides = "Multiple comparisons: p-values not adjusted (--p-adjust none)", test
+    else:
+        text = (f"Multiple comparisons: p-values adjusted by {P_ADJUST_NAMES[method]} within each family, a family "
+                f"being {family}")
+        decides = f"{method}-adjusted {test}"
+    return text + (f"; {mark} = {decides} p < {level:g}." if level is not None else ".")

@@ -6,9 +6,10 @@ label, and how it is evaluated. Two are special:
 - CQADupStack is twelve StackExchange forums, each its own BEIR folder (``cqadupstack/<forum>``); BEIR reports the
   mean of the forums' scores as one number, so each forum is evaluated on its own and the row is their mean
   (:mod:`hil.experiments.beir_table`).
-- TREC DL19 (``msmarco/dl19``) ships a first-stage run (:data:`~hil.experiments.profiles.FIRST_STAGES`): it is
-  re-ranked, not fully ranked, and that run is its BM25 column. Like MS MARCO dev, it is in-domain for a model
-  trained on MS MARCO, so it is not in the average (001: "The Avg. performance does not include MSMARCO").
+- TREC DL19 and DL20 (``msmarco/dl19``, ``msmarco/dl20``) ship a first-stage run
+  (:data:`~hil.experiments.profiles.RERANKING_SETS`, one table for both): each is re-ranked, not fully ranked, and
+  that run is its BM25 column. Like MS MARCO dev, they are in-domain for a model trained on MS MARCO, so they are
+  not in the average (001: "The Avg. performance does not include MSMARCO").
 
 A dataset is *local* when ``<data dir>/beir/<folder>`` or ``<data dir>/<folder>`` holds ``corpus.jsonl`` and
 ``queries.jsonl`` (a folder of the same name without them, such as the MS MARCO triples folder, is not BEIR's).
@@ -20,7 +21,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from hil.experiments.profiles import FIRST_STAGES, FirstStage
+from hil.experiments.profiles import FIRST_STAGES, RERANKING_SETS, FirstStage
 from hil.paths import DATA_DIR_ENV
 
 CQADUPSTACK_FORUMS = ("android", "english", "gaming", "gis", "mathematica", "physics", "programmers", "stats", "tex",
@@ -49,7 +50,7 @@ class BeirSet:
 
     @property
     def first_stage(self) -> FirstStage | None:
-        """The run it ships, re-ranked instead of a full ranking (TREC DL19), or None."""
+        """The run it ships, re-ranked instead of a full ranking (TREC DL19, DL20), or None."""
         return FIRST_STAGES.get(self.key)
 
     @property
@@ -59,10 +60,11 @@ class BeirSet:
         return tuple(f"{where}/{forum}" for forum in self.forums) or (where,)
 
 
-# 001 Table 2's rows (MS MARCO dev, then the 18 BEIR sets), with TREC DL19 beside MS MARCO.
+# 001 Table 2's rows (MS MARCO dev, then the 18 BEIR sets), with the TREC DL re-ranking sets beside MS MARCO.
 BEIR_SETS: tuple[BeirSet, ...] = (
     BeirSet("msmarco", "MS MARCO (dev)", split="dev", in_average=False),
-    BeirSet("dl19", "TREC DL19", folder="msmarco/dl19", in_average=False),
+    *(BeirSet(key, reranking.label, folder=reranking.folder, in_average=False)
+      for key, reranking in RERANKING_SETS.items()),
     BeirSet("trec-covid", "TREC-COVID"),
     BeirSet("bioasq", "BioASQ"),
     BeirSet("nfcorpus", "NFCorpus"),

@@ -13,6 +13,9 @@ Pure: ``build_table(results, sets, columns, baseline)`` turns the records :mod:`
   value scaled by ``N / (F * n_f)`` (N queries in all, F forums, n_f in its forum), so that the plain mean of the
   pooled values (and of their differences) is the mean of the forum means: both are about the number in the
   table.
+- Every p-value is shown beside its value adjusted for multiple comparisons (``p_adjust``: Holm-Bonferroni by
+  default, Benjamini-Hochberg, or none; :func:`hil.evaluation.statistics.adjust_p_values`) over :data:`FAMILY`,
+  and the dagger marks an adjusted t-test p below :data:`SIGNIFICANCE` against the baseline.
 - The average is over the rows counted in it (the zero-shot ones: 001 leaves MS MARCO out) that every column has;
   rows some column lacks are listed as left out rather than averaged over fewer datasets.
 - "vs" rows give the relative change of the average, ``(avg - avg_ref) / avg_ref``, and the difference in points.
@@ -29,13 +32,15 @@ import numpy as np
 
 from hil.evaluation.evaluate import Evaluation
 from hil.evaluation.results import evaluation_statistics
-from hil.evaluation.statistics import stratified_bootstrap_ci
-from hil.evaluation.tables import markdown_table, p_value, pct
+from hil.evaluation.statistics import SIGNIFICANCE_LEVEL, stratified_bootstrap_ci
+from hil.evaluation.tables import adjustment_legend, markdown_table, p_value, pct
 from hil.experiments.beir_sets import BeirSet
 
 METRIC = "ndcg@10"
 BM25 = "bm25"
-SIGNIFICANCE = 0.01  # 001 Table 2's dagger: p < 0.01 against the baseline model
+SIGNIFICANCE = SIGNIFICANCE_LEVEL  # 001 Table 2's dagger: p < 0.01 against the baseline model
+# The comparisons adjusted together (hil.evaluation.results.evaluation_statistics: one reference, one metric).
+FAMILY = "the columns compared with one reference (BM25, or the baseline) on one dataset"
 
 Records = Mapping[str, Mapping[str, Mapping[str, Any]]]  # part -> column -> results record
 
@@ -92,22 +97,26 @@ def comparison_pairs(columns: Sequence[str], baseline: str) -> list[tuple[str, s
 
 
 def row_statistics(cells: Mapping[str, Cell], baseline: str, n_bootstrap: int, seed: int,
-                   metric: str = METRIC) -> dict[str, Any]:
+                   metric: str = METRIC, p_adjust: str = "holm") -> dict[str, Any]:
     """Bootstrap intervals of each cell and the paired tests of :func:`comparison_pairs` (none with fewer than two
-    queries, where a paired test is undefined)."""
+    queries, where a paired test is undefined), their p-values adjusted by ``p_adjust`` over :data:`FAMILY`."""
     evaluations = [Evaluation(name, {}, {metric: cell.mean}, {q: {metric: v} for q, v in cell.per_query.items()})
                    for name, cell in cells.items()]
     testable = min((len(cell.per_query) for cell in cells.values()), default=0) >= 2
     pairs = comparison_pairs(list(cells), baseline) if testable else []
-    return evaluation_statistics(evaluations, metrics=(metric,), pairs=pairs, n_bootstrap=n_bootstrap, seed=seed)
+    return evaluation_statistics(evaluations, metrics=(metric,), pairs=pairs, n_bootstrap=n_bootstrap, seed=seed,
+                                 p_adjust=p_adjust)
 
 
 def paired(statistics: Mapping[str, Any], a: str, b: str) -> dict[str, Any] | None:
-    """The p-values and mean difference of ``a - b`` from a row's statistics, or None when not tested."""
+    """The raw and adjusted p-values and the mean difference of ``a - b`` from a row's statistics, or None when not
+    tested."""
     for row in statistics["paired"]:
         if (row["a"], row["b"]) == (a, b):
             return {"diff": row["mean_diff"], "t": row["p_t_test"], "permutation": row["p_permutation"],
-                    "bootstrap": row["p_bootstrap"]}
+                    "bootstrap": row["p_bootstrap"], "t_adjusted": row["p_t_test_adjusted"],
+                    "permutation_adjusted": row["p_permutation_adjusted"],
+                    "bootstrap_adjusted": row["p_bootstrap_adjusted"]}
     return None
 
 
@@ -124,11 +133,12 @@ def _dataset_facts(parts: Sequence[str], results: Records) -> dict[str, Any]:
 
 
 def build_row(beir_set: BeirSet, parts: Sequence[str], results: Records, columns: Sequence[str], baseline: str,
-              n_bootstrap: int, seed: int) -> dict[str, Any]:
+              n_bootstrap: int, seed: int, p_adjust: str = "holm") -> dict[str, Any]:
     """One row of the table (see the module docstring)."""
     cells = row_cells(beir_set, parts, results, columns)
     scores = {column: cells[column].mean if column in cells else None for column in columns}
-    statistics = row_statistics(cells, baseline, n_bootstrap, seed) if cells else {"bootstrap": {}, "paired": []}
+    statistics = (row_statistics(cells, baseline, n_bootstrap, seed, p_adjust=p_adjust) if cells
+                  else {"bootstrap": {}, "paired": []})
     intervals = {name: interval(name, cell, statistics, n_bootstrap, seed) for name, cell in cells.items()}
     first = beir_set.first_stage
     return {"dataset": beir_set.key, "label": beir_set.label, "in_average": beir_set.in_average,
@@ -168,18 +178,20 @@ def average_row(rows: Sequence[Mapping[str, Any]], columns: Sequence[str], basel
 
 def build_table(results: Records, parts: Mapping[str, Sequence[str]], sets: Sequence[BeirSet],
                 columns: Sequence[str], baseline: str, *, n_bootstrap: int = 1000, seed: int = 0,
-                missing: Sequence[str] = ()) -> dict[str, Any]:
+                missing: Sequence[str] = (), p_adjust: str = "holm") -> dict[str, Any]:
     """Table 2's record: one row per set of ``sets`` (in that order) over its ``parts``, then the average.
 
-    ``columns`` are ``bm25`` and the models, in order; ``baseline`` is one of the models.
+    ``columns`` are ``bm25`` and the models, in order; ``baseline`` is one of the models; ``p_adjust`` the
+    multiple-comparison adjustment ("holm", "bh" or "none").
     """
     if baseline not in columns:
         raise ValueError(f"baseline {baseline!r} is not among the columns {list(columns)}")
-    rows = [build_row(s, parts[s.key], results, columns, baseline, n_bootstrap, seed) for s in sets]
+    rows = [build_row(s, parts[s.key], results, columns, baseline, n_bootstrap, seed, p_adjust) for s in sets]
     return {"metric": METRIC, "columns": list(columns), "baseline": baseline, "rows": rows,
             "average": average_row(rows, columns, baseline), "missing": list(missing),
             "statistics": {"n_bootstrap": n_bootstrap, "seed": seed, "confidence": 0.95,
-                           "significance": SIGNIFICANCE, "dagger_test": "paired t-test against the baseline"}}
+                           "significance": SIGNIFICANCE, "dagger_test": "paired t-test against the baseline",
+                           "p_adjust": p_adjust, "family": FAMILY}}
 
 
 # -- rendering ---------------------------------------------------------------------------------------------------
@@ -215,7 +227,8 @@ def row_notes(row: Mapping[str, Any]) -> list[str]:
 def _score_cell(row: Mapping[str, Any], column: str, baseline: str) -> str:
     value = row["scores"][column]
     test = row["p_vs_baseline"].get(column) if column != baseline else None
-    dagger = "†" if test is not None and test["t"] < SIGNIFICANCE else ""
+    adjusted = None if test is None else test.get("t_adjusted")
+    dagger = "†" if adjusted is not None and adjusted < SIGNIFICANCE else ""
     return pct(value) + dagger
 
 
@@ -239,8 +252,9 @@ def main_lines(table: Mapping[str, Any]) -> list[str]:
 
 
 def detail_lines(table: Mapping[str, Any]) -> list[str]:
-    """Per dataset and column: the 95% interval, the change against BM25 and the baseline, and paired p-values."""
-    baseline = table["baseline"]
+    """Per dataset and column: the 95% interval, the change against BM25 and the baseline, and paired p-values
+    (raw, then adjusted in parentheses)."""
+    baseline, method = table["baseline"], table["statistics"].get("p_adjust", "none")
     header = ["Dataset", "Column", "nDCG@10 [95% CI]", "vs BM25", "p vs BM25 (t / perm.)",
               f"vs {baseline}", f"p vs {baseline} (t / perm.)"]
     rows = []
@@ -250,13 +264,20 @@ def detail_lines(table: Mapping[str, Any]) -> list[str]:
                 continue
             low, high = row["intervals"].get(column, (None, None))
             rows.append([row["label"], column_label(column), f"{pct(row['scores'][column])} [{pct(low)}, {pct(high)}]",
-                         change(row["relative_to_bm25"][column]), _p_cell(row["p_vs_bm25"].get(column)),
-                         change(row["relative_to_baseline"][column]), _p_cell(row["p_vs_baseline"].get(column))])
+                         change(row["relative_to_bm25"][column]), _p_cell(row["p_vs_bm25"].get(column), method),
+                         change(row["relative_to_baseline"][column]),
+                         _p_cell(row["p_vs_baseline"].get(column), method)])
     return markdown_table(header, rows)
 
 
-def _p_cell(test: Mapping[str, Any] | None) -> str:
-    return "-" if test is None else f"{p_value(test['t'])} / {p_value(test['permutation'])}"
+def _p_cell(test: Mapping[str, Any] | None, method: str) -> str:
+    """``t / perm.`` p-values, then the adjusted ones in parentheses: ``0.004 / 0.005 (holm 0.012 / 0.015)``."""
+    if test is None:
+        return "-"
+    raw = f"{p_value(test['t'])} / {p_value(test['permutation'])}"
+    if method == "none":
+        return raw
+    return raw + f" ({method} {p_value(test.get('t_adjusted'))} / {p_value(test.get('permutation_adjusted'))})"
 
 
 def render_markdown(table: Mapping[str, Any]) -> str:
@@ -265,7 +286,9 @@ def render_markdown(table: Mapping[str, Any]) -> str:
     lines = ["# BEIR: nDCG@10 in the layout of HIL (001) Table 2", ""]
     lines += [f"- {name}: {model.get('source')} (fingerprint {model.get('fingerprint')})"
               for name, model in table.get("models", {}).items()]
-    lines += [f"- baseline: {table['baseline']}; † p < {stats['significance']} ({stats['dagger_test']}).",
+    lines += [f"- baseline: {table['baseline']}. "
+              + adjustment_legend(stats.get("p_adjust", "none"), stats.get("family", FAMILY), stats["significance"],
+                                  test=stats["dagger_test"]),
               ("- Avg. vs rows: relative change of the average, and its difference in points (001's rows are "
                "differences in points)."), ""]
     lines += main_lines(table)

@@ -10,10 +10,11 @@ Stages, each skipped when its output already exists (a rerun resumes; ``--force`
    same budget for all (:class:`~hil.experiments.profiles.Profile`), exported to ``train/<variant>/export``;
    the export is written under a temporary name and renamed when training succeeded, so a killed run retrains
    that variant from the start;
-2. evaluate every model on every dataset: BM25 (on TREC DL19 the official BM25 run, ``bm25-top100.trec``, scored
-   as given: nDCG@10 0.5058 on the whole set); exact late interaction of every query against every document
-   (``full``: the top ``k`` of the whole corpus, i.e. full ranking without first-stage approximation; ``rerank``:
-   that run's top ``rerank_depth`` re-scored, DL19); each head's score matrix is kept so that ColBERT-lambda is the
+2. evaluate every model on every dataset: BM25 (on TREC DL19 and DL20 the official BM25 run, ``bm25-top100.trec``,
+   scored as given: nDCG@10 0.5058 on the whole of DL19); exact late interaction of every query against every
+   document (``full``: the top ``k`` of the whole corpus, i.e. full ranking without first-stage approximation;
+   ``rerank``: that run's top ``rerank_depth`` re-scored, TREC DL: :data:`~hil.experiments.profiles.RERANKING_SETS`;
+   DL20 only when its folder is laid out, or when named); each head's score matrix is kept so that ColBERT-lambda is the
    sum of its trained members' matrices (no re-encoding) and Fig. 3 counts the documents each head puts in its
    own top ``overlap_depth``; InterIso of each head over (query, most relevant document) pairs (Table 3);
 3. write ``report.md`` (tables with bootstrap intervals and paired tests against ColBERT), ``summary.json`` and
@@ -48,8 +49,9 @@ from hil.data.beir import BeirDataset
 from hil.data.errors import DEBUG_ENV, UserError, one_line, user_error
 from hil.evaluation.evaluate import Evaluation, EvaluationSettings, evaluate, evaluate_bm25, first_stage, score_run
 from hil.evaluation.runs import write_trec_run
+from hil.evaluation.statistics import P_ADJUST_METHODS
 from hil.experiments.profiles import (CORPUS_IDF, DATASETS, DEFAULT_VARIANTS, ENSEMBLES, PROFILES, REPO_CONFIGS,
-                                      VARIANTS, Profile)
+                                      VARIANTS, Profile, default_datasets)
 from hil.experiments.records import load_dataset, load_results, other_data, summarize
 from hil.experiments.report import write_report
 from hil.isotropy.metrics import inter_iso
@@ -58,6 +60,7 @@ from hil.modeling.hil import HILEncoder
 from hil.modeling.loading import load_encoder
 from hil.provenance import atomic_output, provenance, write_json_atomic
 from hil.modeling.contracts import Encoder
+from hil.paths import DATA_DIR_ENV
 from hil.retrieval.devices import PRECISIONS, check_precision, resolve_device
 from hil.retrieval.encoding import eval_mode
 from hil.retrieval.search import rank_matrix
@@ -286,7 +289,11 @@ def run_profile(profile: Profile, out: Path, *, variants: list[str] | None = Non
                 datasets: list[str] | None = None, force: bool = False, command: str = "") -> Path:
     """Every stage for ``profile`` into ``out``; returns the report path."""
     variants = variants or list(DEFAULT_VARIANTS)
-    datasets = datasets or list(DATASETS)
+    if not datasets:
+        datasets, absent = default_datasets()
+        for key in absent:  # e.g. TREC DL20, which is not in ../shared: evaluated once its folder is laid out
+            log(f"{key}: {DATASETS[key][1]} not found under ${DATA_DIR_ENV}, left out "
+                f"(README, 'TREC DL 2019 and 2020')")
     unknown = sorted(set(variants) - set(VARIANTS)) + sorted(set(datasets) - set(DATASETS))
     if unknown:
         raise ExperimentError(f"unknown variant or dataset {unknown}; variants {list(VARIANTS)}, "
@@ -375,6 +382,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "cuda:N")
     parser.add_argument("--precision", choices=PRECISIONS, default=None,
                         help="corpus encoding autocast at evaluation (default: the profile's, fp32)")
+    parser.add_argument("--p-adjust", choices=P_ADJUST_METHODS, default=None,
+                        help="multiple-comparison adjustment of the tests against ColBERT, shown beside the raw "
+                             "p-values and used for the dagger: holm (Holm-Bonferroni; the default), bh "
+                             "(Benjamini-Hochberg) or none")
     parser.add_argument("--force", action="store_true", help="redo finished stages instead of skipping them")
     parser.add_argument("--report-only", action="store_true", help="only rewrite the report from finished stages")
     parser.add_argument("--publish", default=None, metavar="DIR",
@@ -436,7 +447,8 @@ def run_command(argv: list[str] | None) -> int:
         profile = replace(profile, max_steps=args.max_steps)
     variants, datasets = names("--variants", args.variants, VARIANTS), names("--datasets", args.datasets, DATASETS)
     profile = replace(profile, configs=Path(args.configs))
-    overrides = {k: v for k, v in (("device", args.device), ("precision", args.precision)) if v is not None}
+    overrides = {k: v for k, v in (("device", args.device), ("precision", args.precision),
+                                   ("p_adjust", args.p_adjust)) if v is not None}
     if overrides:
         profile = replace(profile, **overrides)
     try:

@@ -20,11 +20,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
-from hil.paths import CONFIGS_DIR
+from hil.paths import CONFIGS_DIR, resolve_dataset
 
 REPO_CONFIGS = CONFIGS_DIR  # hil/configs (configs/ at the repository root links to it)
 BASE_CONFIG = "colbert.yaml"
@@ -63,29 +63,59 @@ CORPUS_IDF: dict[str, tuple[str, str]] = {"hil_corpus_idf": ("hil", "ColBERT-HIL
                                           "hil_authors_target_idf": ("hil_authors",
                                                                      "ColBERT-HIL (authors' code), target-query IDF")}
 
-# dataset key -> (how it is evaluated, where it is found under HIL_DATA_DIR)
-DATASETS: dict[str, tuple[str, str]] = {
-    "scifact": ("full", "scifact"),
-    "nfcorpus": ("full", "nfcorpus"),
-    "dl19": ("rerank", "msmarco/dl19"),
-}
-
-
 @dataclass(frozen=True)
 class FirstStage:
     """A re-ranking set's first stage: a TREC run file in the dataset's folder whose top ``rerank_depth`` documents
     per query are re-ranked, and which, scored as given, is the row ``name``; ``relevance_level`` is the grade the
-    set's binary metrics start at (its qrels may judge documents outside the corpus: they count, as in trec_eval)."""
+    set's binary metrics start at. Its qrels judge documents outside the corpus (the passages the run did not
+    retrieve): ``judged_outside_corpus="keep"`` counts them in the ideal DCG, as trec_eval does."""
 
     run_file: str
     name: str
     label: str  # what the first stage is, for the report
     relevance_level: int = 1
+    judged_outside_corpus: Literal["keep", "error"] = "keep"
 
 
-# TREC DL 2019 passage: the official BM25 top 100 (nDCG@10 0.5058), graded qrels 0-3, binary metrics at grade >= 2.
-FIRST_STAGES: dict[str, FirstStage] = {"dl19": FirstStage("bm25-top100.trec", "bm25", "BM25", relevance_level=2)}
-ZERO_SHOT = ("scifact", "nfcorpus")  # the BEIR average; DL19 is in-domain (001 leaves MS MARCO out of Avg.)
+@dataclass(frozen=True)
+class RerankingSet:
+    """A dataset evaluated by re-ranking the run it ships (``<data dir>/<folder>``: ``corpus.jsonl`` holding the
+    run's passages, ``queries.jsonl``, ``qrels/test.tsv`` and the run file), never by full ranking.
+
+    ``optional``: left out of a run that does not name it when its folder is not found (a set that is not in
+    ``../shared``; the README says where its official files come from)."""
+
+    folder: str
+    label: str
+    first_stage: FirstStage
+    optional: bool = False
+
+
+# TREC DL passage (graded qrels 0-3, binary metrics at grade >= 2, as TREC DL reports them), each re-ranking the
+# official BM25 top 100 (flat BM25 over the 8.8M MS MARCO passages, as castorini's rank_llm distributes it):
+# DL19 43 judged queries, BM25 nDCG@10 0.5058; DL20 54 judged queries, published BM25 nDCG@10 0.4796.
+TREC_DL_BM25 = FirstStage("bm25-top100.trec", "bm25", "BM25", relevance_level=2)
+RERANKING_SETS: dict[str, RerankingSet] = {
+    "dl19": RerankingSet("msmarco/dl19", "TREC DL19", TREC_DL_BM25),
+    "dl20": RerankingSet("msmarco/dl20", "TREC DL20", TREC_DL_BM25, optional=True),
+}
+
+# dataset key -> (how it is evaluated, where it is found under HIL_DATA_DIR)
+DATASETS: dict[str, tuple[str, str]] = {
+    "scifact": ("full", "scifact"),
+    "nfcorpus": ("full", "nfcorpus"),
+    **{key: ("rerank", reranking.folder) for key, reranking in RERANKING_SETS.items()},
+}
+FIRST_STAGES: dict[str, FirstStage] = {key: reranking.first_stage for key, reranking in RERANKING_SETS.items()}
+ZERO_SHOT = ("scifact", "nfcorpus")  # the BEIR average; TREC DL is in-domain (001 leaves MS MARCO out of Avg.)
+
+
+def default_datasets(data_dir: str | Path | None = None) -> tuple[list[str], list[str]]:
+    """The datasets a run evaluates when ``--datasets`` is not given, and the optional ones left out because their
+    folder is not under ``data_dir`` / ``$HIL_DATA_DIR`` (:func:`hil.paths.resolve_dataset`)."""
+    absent = [key for key, reranking in RERANKING_SETS.items()
+              if reranking.optional and resolve_dataset(reranking.folder, data_dir) is None]
+    return [key for key in DATASETS if key not in absent], absent
 
 
 def _merged(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
@@ -146,6 +176,7 @@ class Profile:
     overlap_depth: int = 100  # documents per query and head for the overlap diagram (Fig. 3)
     n_bootstrap: int = 1000
     n_permutations: int = 10000
+    p_adjust: str = "holm"  # multiple-comparison adjustment of the tests against ColBERT (statistics.adjust_p_values)
     encode_batch_size: int = 32
     device: str = "auto"      # evaluation: where models encode and score (training: the preset's accelerator)
     precision: str = "fp32"   # evaluation: corpus encoding autocast (hil.retrieval.devices)
@@ -179,8 +210,9 @@ class Profile:
 PROFILES: dict[str, Profile] = {
     "smoke": Profile(
         name="smoke", preset="smoke.yaml",
-        slices={"scifact": (12, 120), "nfcorpus": (12, 120), "dl19": (8, 200)}, rerank_depth=20, k=100,
-        interiso_pairs=12, figure_pairs=8, overlap_depth=10, n_bootstrap=200, n_permutations=500,
+        slices={"scifact": (12, 120), "nfcorpus": (12, 120), "dl19": (8, 200), "dl20": (8, 200)},
+        rerank_depth=20, k=100, interiso_pairs=12, figure_pairs=8, overlap_depth=10, n_bootstrap=200,
+        n_permutations=500,
         description="shared tiny BERT, 4 steps of 8 triples, slices of every dataset: checks the pipeline only"),
     "cpu": Profile(
         name="cpu", preset="paper-cpu.yaml",

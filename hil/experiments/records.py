@@ -19,10 +19,14 @@ import numpy as np
 import torch
 
 from hil.data.beir import BeirDataset, load_beir
+from hil.data.errors import MissingInputError
 from hil.evaluation.evaluate import Evaluation, evaluate_run_file, subset_with_first_stage
-from hil.evaluation.statistics import bootstrap_ci, paired_permutation_test, paired_t_test
+from hil.evaluation.statistics import (SIGNIFICANCE_LEVEL, add_adjusted, bootstrap_ci, paired_permutation_test,
+                                       paired_t_test)
 from hil.experiments.diagnostics import length_table, query_lengths
-from hil.experiments.profiles import DATASETS, ENSEMBLES, FIRST_STAGES, VARIANTS, ZERO_SHOT, Profile
+from hil.experiments.profiles import (DATASETS, ENSEMBLES, FIRST_STAGES, RERANKING_SETS, VARIANTS, ZERO_SHOT,
+                                      Profile)
+from hil.paths import DATA_DIR_ENV, resolve_dataset
 from hil.provenance import git_commit, provenance, versions
 
 METRIC = "ndcg@10"
@@ -35,7 +39,9 @@ ABLATION_ROWS = ("hil_no_reg", "hil_no_reg_h", "hil_no_reg_l", "hil")
 TABLE3_ROWS = ("colbert", "cosreg", "istar", "iso", "aniso", "lambda", "hil", "hil_corpus_idf")
 MODULE_ROWS = ("lambda", "hil", "hil_corpus_idf", "hil_no_reg_l", "hil_no_reg_h", "hil_no_reg", "hil_authors",
                "hil_authors_target_idf", *DIAGNOSTIC_ROWS[:5])
-DATASET_LABELS = {"scifact": "SciFact", "nfcorpus": "NFCorpus", "dl19": "TREC DL19"}
+DATASET_LABELS = {"scifact": "SciFact", "nfcorpus": "NFCorpus", **{k: s.label for k, s in RERANKING_SETS.items()}}
+# The comparisons whose p-values are adjusted together (001 Table 2 marks ten variants against ColBERT per dataset).
+SIGNIFICANCE_FAMILY = "every model (BM25 included) compared with ColBERT on one dataset"
 
 Results = dict[str, dict[str, dict[str, Any]]]  # dataset key -> model name -> evaluation record
 
@@ -45,7 +51,11 @@ def load_dataset(key: str, profile: Profile) -> tuple[BeirDataset, Evaluation | 
     (:data:`~hil.experiments.profiles.FIRST_STAGES`: the run file scored on the slice, its row named ``name``)."""
     _, where = DATASETS[key]
     first_stage = FIRST_STAGES.get(key)
-    dataset = load_beir(where, judged_outside_corpus="keep" if first_stage else "error",
+    if first_stage is not None and resolve_dataset(where) is None:  # read locally with its run, never from the hub
+        raise MissingInputError(f"{where}: not found under ${DATA_DIR_ENV} (a re-ranking set, read locally with its "
+                                f"first-stage run {first_stage.run_file}; README, 'TREC DL 2019 and 2020': where "
+                                "its official files come from)")
+    dataset = load_beir(where, judged_outside_corpus=first_stage.judged_outside_corpus if first_stage else "error",
                         relevance_level=first_stage.relevance_level if first_stage else 1)
     first = None if first_stage is None else evaluate_run_file(Path(dataset.source) / first_stage.run_file, dataset,
                                                                 name=first_stage.name)
@@ -95,7 +105,11 @@ def delta_inter_iso(inter_iso: dict[str, float]) -> float | None:
 
 
 def compute_statistics(results: Results, profile: Profile) -> dict[str, Any]:
-    """Bootstrap intervals of every model, paired tests of every model against ColBERT, per dataset."""
+    """Bootstrap intervals of every model, paired tests of every model against ColBERT, per dataset.
+
+    Beside each raw p-value (``p_t_vs_colbert``, ``p_perm_vs_colbert``) its ``..._adjusted`` value: adjusted by
+    ``profile.p_adjust`` (Holm by default) over :data:`SIGNIFICANCE_FAMILY`, each test on its own.
+    """
     stats: dict[str, Any] = {}
     for key, models in results.items():
         reference = models.get("colbert")
@@ -111,8 +125,15 @@ def compute_statistics(results: Results, profile: Profile) -> dict[str, Any]:
                                                seed=profile.seed, on="intersection")
                 row.update(diff_vs_colbert=t.mean_diff, p_t_vs_colbert=t.p_value, p_perm_vs_colbert=perm.p_value)
             rows[name] = row
+        add_adjusted(list(rows.values()), ("p_t_vs_colbert", "p_perm_vs_colbert"), lambda row: key, profile.p_adjust)
         stats[key] = rows
     return stats
+
+
+def significance(profile: Profile) -> dict[str, Any]:
+    """How the report marks significance: the test, its threshold, the adjustment and its family."""
+    return {"test": "paired t-test against ColBERT", "level": SIGNIFICANCE_LEVEL, "p_adjust": profile.p_adjust,
+            "family": SIGNIFICANCE_FAMILY}
 
 
 def average(stats: dict[str, Any], name: str, keys: Sequence[str]) -> float | None:
@@ -244,7 +265,8 @@ def summarize(out: Path, results: Results, profile: Profile, *, command: str = "
                    "documents": max((m.get("n_docs") or 0 for m in models.values()), default=0)}
              for key, models in results.items()}
     return provenance(profile.budget(), command=command, machine=machine(), versions=versions(),
-                      elapsed_s=elapsed_s, statistics=stats, table2=table2(results, stats),
+                      elapsed_s=elapsed_s, statistics=stats, significance=significance(profile),
+                      table2=table2(results, stats),
                       table3=table3(results, stats), table5=table5(results, stats), modules=modules(results),
                       training=training, timings=timings, sizes=sizes,
                       by_query_length=length_table(results, lengths_by_dataset(results, profile), LENGTH_ROWS),

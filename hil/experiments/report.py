@@ -3,7 +3,9 @@
 Rendering only: every number comes from the record :func:`hil.experiments.records.summarize` computed (also written
 as ``summary.json``), the figures from the files the run left (``eval/<dataset>/<model>.json``, ``*.cosines.npz``).
 Numbers are nDCG@10 in percent as in 001; intervals are 95% percentile bootstraps over queries (004 Section 2.1);
-p-values are two-sided paired t-tests and paired permutation tests against ColBERT on the same queries.
+p-values are two-sided paired t-tests and paired permutation tests against ColBERT on the same queries, each shown
+beside its value adjusted for multiple comparisons (Holm-Bonferroni unless the profile's ``p_adjust`` says otherwise,
+over every model compared with ColBERT on one dataset); the dagger marks an adjusted t-test p below 0.01.
 """
 
 from __future__ import annotations
@@ -14,10 +16,10 @@ from typing import Any
 
 import numpy as np
 
-from hil.evaluation.tables import markdown_table, p_value, pct, relative
+from hil.evaluation.tables import adjustment_legend, markdown_table, p_with_adjusted, pct, relative
 from hil.experiments.profiles import CORPUS_IDF, DATASETS, ENSEMBLES, VARIANTS, ZERO_SHOT, Profile
-from hil.experiments.records import (ABLATION_ROWS, DATASET_LABELS, MAIN_ROWS, MODULE_ROWS, TABLE3_ROWS, Results,
-                                     dataset_column)
+from hil.experiments.records import (ABLATION_ROWS, DATASET_LABELS, MAIN_ROWS, MODULE_ROWS, SIGNIFICANCE_FAMILY,
+                                     TABLE3_ROWS, Results, dataset_column)
 from hil.provenance import write_text_atomic
 
 
@@ -42,6 +44,27 @@ def _keys(summary: dict[str, Any]) -> tuple[list[str], list[str]]:
     return [k for k in ZERO_SHOT if k in stats], [k for k in DATASETS if k in stats and k not in ZERO_SHOT]
 
 
+def significance(summary: dict[str, Any]) -> dict[str, Any]:
+    """The test, threshold, adjustment and family of the report's dagger (``records.significance``); a summary
+    written before adjusted p-values existed reads as unadjusted."""
+    return summary.get("significance") or {"test": "paired t-test against ColBERT", "level": 0.01, "p_adjust": "none",
+                                           "family": SIGNIFICANCE_FAMILY}
+
+
+def significant(row: dict[str, Any] | None, summary: dict[str, Any]) -> bool:
+    """Whether a model's test against ColBERT on a dataset passes the threshold, by its adjusted p-value (the raw
+    one when the adjustment is "none")."""
+    rule = significance(summary)
+    value = (row or {}).get("p_t_vs_colbert" if rule["p_adjust"] == "none" else "p_t_vs_colbert_adjusted")
+    return value is not None and value < rule["level"]
+
+
+def legend(summary: dict[str, Any]) -> str:
+    """The dagger's legend: test, threshold, correction and family."""
+    rule = significance(summary)
+    return adjustment_legend(rule["p_adjust"], rule["family"], rule["level"], test=rule["test"])
+
+
 def table2_lines(summary: dict[str, Any]) -> list[str]:
     stats, rows_in = summary["statistics"], summary["table2"]
     keys, other = _keys(summary)
@@ -54,7 +77,7 @@ def table2_lines(summary: dict[str, Any]) -> list[str]:
         cells = [label(name)]
         for key in keys + other:
             row = stats[key].get(name)
-            mark = "†" if row is not None and row.get("p_t_vs_colbert", 1.0) < 0.01 else ""
+            mark = "†" if significant(row, summary) else ""
             cells.append("-" if row is None else
                          f"{pct(row['mean'])}{mark} [{pct(row['low'], 1)}, {pct(row['high'], 1)}]")
         avg = row_in["avg"]
@@ -65,7 +88,7 @@ def table2_lines(summary: dict[str, Any]) -> list[str]:
 
 
 def significance_lines(summary: dict[str, Any]) -> list[str]:
-    stats = summary["statistics"]
+    stats, method = summary["statistics"], significance(summary)["p_adjust"]
     header = ["Model"] + [f"{DATASET_LABELS[k]}: diff, p (t), p (perm.)" for k in stats]
     rows = []
     for name in MAIN_ROWS + ABLATION_ROWS[:-1]:
@@ -75,8 +98,9 @@ def significance_lines(summary: dict[str, Any]) -> list[str]:
         for key in stats:
             row = stats[key].get(name, {})
             cells.append("-" if "diff_vs_colbert" not in row else
-                         f"{100 * row['diff_vs_colbert']:+.2f}, {p_value(row['p_t_vs_colbert'])}, "
-                         f"{p_value(row['p_perm_vs_colbert'])}")
+                         f"{100 * row['diff_vs_colbert']:+.2f}, "
+                         f"{p_with_adjusted(row['p_t_vs_colbert'], row.get('p_t_vs_colbert_adjusted'), method)}, "
+                         f"{p_with_adjusted(row['p_perm_vs_colbert'], row.get('p_perm_vs_colbert_adjusted'), method)}")
         rows.append(cells)
     return markdown_table(header, rows)
 
@@ -165,15 +189,17 @@ def verdict(summary: dict[str, Any]) -> str:
         return "ColBERT and ColBERT-HIL did not both finish; no verdict."
     parts = [f"ColBERT-HIL averages {pct(hil)} nDCG@10 over {', '.join(DATASET_LABELS[k] for k in keys)} against "
              f"ColBERT's {pct(colbert)} ({relative(hil, colbert)})"]
-    significant = [k for k in keys if stats[k].get("hil", {}).get("p_t_vs_colbert", 1.0) < 0.01]
+    rule = significance(summary)
+    threshold = ("p" if rule["p_adjust"] == "none" else f"{rule['p_adjust']}-adjusted p") + f" < {rule['level']:g}"
+    passed = [k for k in keys if significant(stats[k].get("hil"), summary)]
     if hil > colbert:
         parts.append("so at this scale HIL is ahead of ColBERT" + (
-            f", significantly (p < 0.01) on {', '.join(DATASET_LABELS[k] for k in significant)}" if significant
-            else ", but not significantly on any dataset (paired t-test p >= 0.01)"))
+            f", significantly ({threshold}) on {', '.join(DATASET_LABELS[k] for k in passed)}" if passed
+            else f", but not significantly on any dataset (paired t-test, {threshold} nowhere)"))
     else:
         parts.append("so at this scale HIL does not beat ColBERT" + (
-            f"; the difference is significant on {', '.join(DATASET_LABELS[k] for k in significant)}"
-            if significant else " (no dataset significant at p < 0.01)"))
+            f"; the difference is significant ({threshold}) on {', '.join(DATASET_LABELS[k] for k in passed)}"
+            if passed else f" (no dataset significant at {threshold})"))
     if bm25 is not None:
         parts.append(f"BM25 averages {pct(bm25)}, so HIL is {relative(hil, bm25)} against BM25")
     return "; ".join(parts) + "."
@@ -205,7 +231,7 @@ def header_lines(summary: dict[str, Any], profile: Profile) -> list[str]:
              "official graded qrels (0-3): judgments of passages outside the top 100 count in the ideal DCG as "
              "trec_eval counts them, and binary metrics take grades >= 2 as relevant (TREC DL's convention). "
              "ColBERT-lambda adds the iso and aniso models' scores. nDCG@10 in percent, 95% bootstrap interval "
-             f"over queries ({profile.n_bootstrap} samples); † = paired t-test p < 0.01 against ColBERT.", ""]
+             f"over queries ({profile.n_bootstrap} samples). {legend(summary)}", ""]
     if profile.slices:
         lines += [f"Slices (queries, documents): {profile.slices}.", ""]
     return lines + (["Judgments: " + "; ".join(summary["judgments"]) + ".", ""] if summary["judgments"] else [])
@@ -240,7 +266,8 @@ def tables_lines(summary: dict[str, Any], profile: Profile) -> list[str]:
     return ["## Verdict", "", verdict(summary), "",
             "## Table 2: nDCG@10", "", *table2_lines(summary), "",
             "Paired tests against ColBERT (difference in nDCG@10 points; two-sided p of the paired t-test and of "
-            f"a {profile.n_permutations}-sample permutation test):", "", *significance_lines(summary), "",
+            f"a {profile.n_permutations}-sample permutation test, each followed in parentheses by its adjusted "
+            f"value). {legend(summary)}", "", *significance_lines(summary), "",
             "## Table 3: Delta InterIso", "",
             "InterIso (001 Eq. 2) of each module on (query, most relevant document) pairs "
             f"(up to {profile.interiso_pairs} per dataset), averaged over SciFact and NFCorpus. Delta = "

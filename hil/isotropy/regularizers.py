@@ -1,11 +1,18 @@
 """Isotropy regularizers added to the late-interaction loss: InterIso (HIL Section 3.2), CosReg and I-STAR (A.1, A.3).
 
 Each ``*_reg`` function returns the unweighted term L_reg. The regularizer objects (``InterIsoRegularizer``,
-``CosRegRegularizer``, ``IStarRegularizer``) are the ``nn.Module`` a ``RetrieverModule`` holds: each applies its
-lambda exactly as the paper writes it and returns ``(weighted term, logs)``; I-STAR keeps its shrinkage covariances
-as buffers, so they are saved in checkpoints. A config picks one by ``class_path`` (``model.regularizer``); no
-regularizer is ``null``. All terms are computed on the projected, L2-normalized token embeddings that late
-interaction scores, with padding excluded through the boolean masks.
+``CosRegRegularizer``, ``IStarRegularizer``) are the ``nn.Module`` a ``RetrieverModule`` holds: ``term(...)`` gives
+the unweighted L_reg and its logs, and the training objective adds ``lambda * L_reg`` (``weight`` is the paper's
+lambda; ``hil.modeling.terms`` sums every term as ``weight * value``); calling the object gives ``(lambda * L_reg,
+logs)``. I-STAR keeps its shrinkage covariances as buffers, so they are saved in checkpoints. A config picks one by
+``class_path`` (``model.regularizer``, or in ``model.terms`` beside any loss); no regularizer is ``null``. All terms
+are computed on the projected, L2-normalized token embeddings that late interaction scores, with padding excluded
+through the boolean masks.
+
+Batches of B queries x N documents (``hil.modeling.batch.RankingBatch``: documents column by column, ``pair_index``
+the query row of each): InterIso is taken over all N B (query, document) pairs; CosReg and I-STAR over the queries'
+token cloud (each query once) and the N B documents' token cloud; the authors' conditional isotropy over the
+(q, d+) pairs, column 0. With triples (N = 2) that is what it always was.
 
 Shapes: Bq queries, B (query, document) pairs, Lq / Ld tokens, N valid tokens, D embedding dimension.
 """
@@ -155,12 +162,19 @@ class Regularizer(nn.Module, metaclass=ABCMeta):
         return ", ".join(f"{k}={v!r}" for k, v in self.settings().items() if k != "class")
 
     @abstractmethod
+    def term(self, queries: Tensor, docs: Tensor, query_mask: Tensor | None = None,
+             doc_mask: Tensor | None = None, pair_index: Tensor | None = None,
+             inter_iso_values: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+        """(L_reg, detached values to log), unweighted. queries (Bq, Lq, D), docs (B, Ld, D), masks (Bq, Lq) /
+        (B, Ld), pair_index (B,) the query row of each document (see :func:`paired_rows`). ``inter_iso_values``
+        (B,): InterIso of the pairs when the caller has already computed it (with gradient)."""
+
     def forward(self, queries: Tensor, docs: Tensor, query_mask: Tensor | None = None,
                 doc_mask: Tensor | None = None, pair_index: Tensor | None = None,
                 inter_iso_values: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
-        """(lambda * L_reg, detached values to log). queries (Bq, Lq, D), docs (B, Ld, D), masks (Bq, Lq) /
-        (B, Ld), pair_index (B,) the query row of each document (see :func:`paired_rows`). ``inter_iso_values``
-        (B,): InterIso of the pairs when the caller has already computed it (with gradient)."""
+        """(lambda * L_reg, detached values to log); the arguments as :meth:`term`."""
+        reg, logs = self.term(queries, docs, query_mask, doc_mask, pair_index, inter_iso_values)
+        return self.weight * reg, logs
 
 
 class InterIsoRegularizer(Regularizer):
@@ -171,14 +185,14 @@ class InterIsoRegularizer(Regularizer):
     Logs ``inter_iso`` (batch mean) and ``reg`` (the unweighted L_reg).
     """
 
-    def forward(self, queries: Tensor, docs: Tensor, query_mask: Tensor | None = None,
-                doc_mask: Tensor | None = None, pair_index: Tensor | None = None,
-                inter_iso_values: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    def term(self, queries: Tensor, docs: Tensor, query_mask: Tensor | None = None,
+             doc_mask: Tensor | None = None, pair_index: Tensor | None = None,
+             inter_iso_values: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
         if inter_iso_values is None:
             paired, paired_mask = paired_rows(queries, query_mask, docs.shape[0], pair_index)
             inter_iso_values = inter_iso(paired, docs, paired_mask, doc_mask)  # (B,)
         reg = interiso_reg(inter_iso_values, absolute=self.weight >= 0)
-        return self.weight * reg, {"inter_iso": inter_iso_values.detach().mean(), "reg": reg.detach()}
+        return reg, {"inter_iso": inter_iso_values.detach().mean(), "reg": reg.detach()}
 
 
 class ConditionalIsotropyRegularizer(Regularizer):
@@ -187,16 +201,16 @@ class ConditionalIsotropyRegularizer(Regularizer):
     value; lambda > 0 lowers the residuals' average cosine, lambda < 0 raises it). The paper's ColBERT-iso /
     -aniso use :class:`InterIsoRegularizer` instead. Logs ``reg`` (the unweighted term)."""
 
-    def forward(self, queries: Tensor, docs: Tensor, query_mask: Tensor | None = None,
-                doc_mask: Tensor | None = None, pair_index: Tensor | None = None,
-                inter_iso_values: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    def term(self, queries: Tensor, docs: Tensor, query_mask: Tensor | None = None,
+             doc_mask: Tensor | None = None, pair_index: Tensor | None = None,
+             inter_iso_values: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
         n = queries.shape[0]
         if pair_index is not None and not torch.equal(pair_index[:n].cpu(), torch.arange(n)):
             raise ValueError("hil.isotropy.regularizers: ConditionalIsotropyRegularizer expects the documents as "
                              "[positives; negatives] with positive k paired with query k")
         positives = docs[:n] if doc_mask is None else docs[:n] * doc_mask[:n, :, None].to(docs.dtype)
         reg = conditional_isotropy(queries, positives)
-        return self.weight * reg, {"reg": reg.detach()}
+        return reg, {"reg": reg.detach()}
 
 
 class _TokenCloudRegularizer(Regularizer):
@@ -208,14 +222,13 @@ class _TokenCloudRegularizer(Regularizer):
     def side_term(self, side: str, points: Tensor) -> Tensor:
         """L_reg of one token cloud (``side`` is "query" or "doc"). points (N, D) -> scalar."""
 
-    def forward(self, queries: Tensor, docs: Tensor, query_mask: Tensor | None = None,
-                doc_mask: Tensor | None = None, pair_index: Tensor | None = None,
-                inter_iso_values: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    def term(self, queries: Tensor, docs: Tensor, query_mask: Tensor | None = None,
+             doc_mask: Tensor | None = None, pair_index: Tensor | None = None,
+             inter_iso_values: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
         reg_query = self.side_term("query", masked_tokens(queries, query_mask))  # over (Nq, D)
         reg_doc = self.side_term("doc", masked_tokens(docs, doc_mask))            # over (Nd, D)
-        logs = {"reg": (reg_query + reg_doc).detach() / 2, "reg_query": reg_query.detach(),
-                "reg_doc": reg_doc.detach()}
-        return self.weight / 2 * (reg_query + reg_doc), logs
+        reg = (reg_query + reg_doc) / 2  # lambda * reg = lambda / 2 * (..): halving is exact in floating point
+        return reg, {"reg": reg.detach(), "reg_query": reg_query.detach(), "reg_doc": reg_doc.detach()}
 
 
 class CosRegRegularizer(_TokenCloudRegularizer):

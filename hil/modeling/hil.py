@@ -242,7 +242,9 @@ class HILEncoder(MultiVectorEncoder):
 
     @property
     def normalizes_per_query(self) -> bool:
-        return self.zscore_eval == "per_query"
+        """Scores outside training take per-query moments (``zscore_eval`` "per_query" in eval mode). In training
+        mode ``score`` uses the running estimates, so retrieval (``score_documents``) must not switch to sums."""
+        return self.zscore_eval == "per_query" and not self.training
 
     def running_moments(self, head: str) -> tuple[Tensor, Tensor]:
         """The statistics used outside training: running mean, and running std (or ``zscore_temperature``)."""
@@ -257,7 +259,7 @@ class HILEncoder(MultiVectorEncoder):
         scores, masks = self.token_scores(queries, docs, all_pairs)
         late = {}
         for head in HEADS:
-            if self.normalizes_per_query and not self.training:
+            if self.normalizes_per_query:
                 if all_pairs:
                     mean, std = per_query_moments(scores[head], masks[head], self.zscore_eps, self.unbiased_std)
                 else:  # paired rows: one set of moments over the batch, as in training

@@ -21,6 +21,7 @@ from hil.modeling.ensemble import MEMBER_HEADS, EnsembleEncoder
 from hil.modeling.formats import ForeignColBERT, Layout, ModelFormatError, model_layout, read_foreign
 from hil.modeling.hil import HILEncoder
 from hil.modeling.hub import local_model_dir
+from hil.modeling.model_files import check_model_files
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +90,18 @@ def read_lightning_checkpoint(path: Path) -> dict[str, Any]:
 
 
 FOREIGN_OVERRIDES = ("query_maxlen", "doc_maxlen")
+UNTRAINED_HEAD_DIM = 128  # the head size of an untrained ColBERT head when none is asked
+
+
+def check_kept_settings(encoder: Encoder, source: str | Path, requested: dict[str, Any]) -> None:
+    """A trained model keeps its own settings: a requested value that differs from the model's is refused, naming
+    it (silently ignoring it would evaluate something else than what was asked); equal values are accepted."""
+    actual = encoder.settings()
+    differing = {key: value for key, value in requested.items() if actual.get(key) != value}
+    if differing:
+        have = {key: actual.get(key) for key in differing}
+        raise ModelFormatError(f"{source}: a trained {encoder.architecture} model keeps its own settings "
+                               f"{have}; {differing} asked (these options apply to an untrained backbone)")
 
 
 def encoder_from_foreign(foreign: ForeignColBERT, **overrides: Any) -> ColBERTEncoder:
@@ -149,21 +162,25 @@ def load_encoder(source: str | Path | Sequence[str | Path], layout: Layout | Non
     if path.is_file():
         if path.suffix != ".ckpt":
             raise ModelFormatError(f"{path}: a file, but not a Lightning .ckpt; give a .ckpt or a model folder")
-        return encoder_from_checkpoint(path).eval()
+        encoder = encoder_from_checkpoint(path)
+        check_kept_settings(encoder, path, backbone_settings)
+        return encoder.eval()
     directory = local_model_dir(source)
+    check_model_files(directory)  # a damaged file: one line naming it, before any library reads it
     found = layout or model_layout(directory)
-    encoder: Encoder
     if found == "hil":
         settings = read_export_config(directory)["settings"]
         if settings.get("architecture") == EnsembleEncoder.architecture:
             encoder = load_ensemble(directory)
         else:
             encoder = _architecture(settings, directory).from_pretrained(directory)
+        check_kept_settings(encoder, directory, backbone_settings)
     elif found in ("stanford", "pylate"):
         encoder = encoder_from_foreign(read_foreign(directory, found), **backbone_settings)
     else:
+        backbone_settings.setdefault("dim", UNTRAINED_HEAD_DIM)
         logger.warning("%s: a %s without a ColBERT head; its projection head is untrained (random, dim %s)",
                        source, "sentence-transformers model" if found == "sentence-transformers" else "backbone",
-                       backbone_settings.get("dim", 128))
+                       backbone_settings["dim"])
         encoder = ColBERTEncoder(str(directory), **backbone_settings)
     return encoder.eval()

@@ -1,4 +1,4 @@
-"""The one LightningModule: a retriever trained as encoder + loss (+ isotropy regularizer).
+"""The one LightningModule: a retriever trained as encoder + a weighted list of objective terms.
 
 Every model of the paper is a composition chosen in YAML by ``class_path`` (``configs/colbert.yaml`` and the deltas
 in ``configs/variants/``):
@@ -6,14 +6,20 @@ in ``configs/variants/``):
     ColBERT v1               encoder ColBERTEncoder, loss PairwiseCE, no regularizer
     ColBERT-iso / -aniso     ... + InterIsoRegularizer(weight 0.4 / -0.1)        (also CosReg, I-STAR)
     ColBERT-HIL              encoder HILEncoder, loss HILLoss(reg_weight -0.3)
+    distilled (ColBERTv2)    loss KLDistillation on n-way examples with teacher scores, + any regularizer
 
-One training step (four files: this one, ``encoder.py``, ``losses.py``, ``hil/isotropy/regularizers.py``):
-    batch of strings {queries, positives, negatives} (B each, ``hil.data.datamodule``)
-    -> encoder.encode_queries / encode_documents       queries (B, Lq), docs (2B, Ld) = [positives; negatives]
-    -> loss(encoder, TripleBatch)                       L_late and the parts to log
-    -> + regularizer(queries, docs, masks, pair_index)  lambda * L_reg
-The optimizer and LR schedule are injected (``optimizer`` / ``lr_scheduler`` class paths, Lightning's CLI
-callables); reseeding and the non-finite guard are callbacks (``hil.modeling.callbacks``).
+The objective is ``sum_k weight_k * term_k`` (``hil.modeling.terms``, as Lightning IR's ``loss_functions``): the
+``loss`` (weight 1 unless set), the isotropy ``regularizer`` (weight = its lambda) and any further ``terms`` (a
+loss or a regularizer each: ``InBatchCE`` beside a distillation loss, ``HILIsotropy`` beside ColBERT-HIL's, ...).
+
+One training step (``batch.py``, ``losses.py``, ``terms.py``, ``hil/isotropy/regularizers.py``):
+    batch of strings {queries (B), positives (B), negatives ((N-1) B), [teacher_scores (B, N)]}  (hil.data.datamodule)
+    -> encoder.encode_queries / encode_documents       queries (B, Lq), docs (N B, Ld) = [positives; negatives]
+    -> RankingBatch(queries, docs, teacher_scores)     (N = 2: the triples' [positives; negatives], as always)
+    -> sum_k weight_k * term_k(encoder, batch)         and every term's parts to log
+With ``gradcache_chunk_size`` the encoding is done in chunks and the gradient assembled by GradCache
+(``hil.modeling.gradcache``). The optimizer and LR schedule are injected (``optimizer`` / ``lr_scheduler`` class
+paths, Lightning's CLI callables); reseeding and the non-finite guard are callbacks (``hil.modeling.callbacks``).
 """
 
 from __future__ import annotations
@@ -30,11 +36,14 @@ from torch import Tensor
 from hil.data.datamodule import TriplesDataModule
 from hil.data.errors import UserError, one_line
 from hil.isotropy.regularizers import Regularizer
+from hil.modeling.batch import RankingBatch
 from hil.modeling.encoder import MultiVectorEncoder
 from hil.modeling.export import export_model
 from hil.modeling.formats import ModelFormatError
+from hil.modeling.gradcache import cached_objective
 from hil.modeling.initial_weights import initial_state
-from hil.modeling.losses import PairwiseCE, TrainingLoss, TripleBatch
+from hil.modeling.losses import PairwiseCE
+from hil.modeling.terms import NamedTerm, Term, name_terms, weighted_objective
 from hil.provenance import provenance
 
 # Parameters that take no weight decay when the optimizer has one (BERT's convention).
@@ -86,76 +95,118 @@ class LinearWarmup(torch.optim.lr_scheduler.LambdaLR):
         return min(1.0, (step + 1) / self.warmup_steps) if self.warmup_steps else 1.0
 
 
+def ranking_texts(batch: dict[str, Any]) -> tuple[list[str], list[str], Tensor | None]:
+    """A batch of strings (``hil.data.datamodule``) as (queries (B), documents (N B) column by column, teacher
+    scores (B, N) or None): the documents are ``positives + negatives``, the negatives already column by column."""
+    queries, positives, negatives = batch["queries"], batch["positives"], batch["negatives"]
+    if not queries or len(positives) != len(queries) or len(negatives) % len(queries):
+        raise ValueError(f"a training batch has B queries, B positives and a multiple of B negatives; got "
+                         f"{len(queries)}, {len(positives)}, {len(negatives)}")
+    return list(queries), list(positives) + list(negatives), batch.get("teacher_scores")
+
+
 class RetrieverModule(pl.LightningModule):
-    """Composes an encoder, a loss and an optional isotropy regularizer; logs the loss and its parts.
+    """Composes an encoder and the weighted terms of its objective; logs the loss and every term's parts.
 
     Args:
         encoder: the model trained and exported (``ColBERTEncoder``, ``HILEncoder``).
-        loss: the training objective over a batch of triples (default ``PairwiseCE``, ColBERT v1's).
-        regularizer: an isotropy term added to the loss (``InterIsoRegularizer``, ``CosRegRegularizer``,
-            ``IStarRegularizer``); needs a one-head encoder. None: no term.
+        loss: the main term (default ``PairwiseCE``, ColBERT v1's): a ranking or distillation loss of
+            ``hil.modeling.losses``; its weight is its ``weight`` (1).
+        regularizer: an isotropy term (``InterIsoRegularizer``, ``CosRegRegularizer``, ``IStarRegularizer``,
+            ``ConditionalIsotropyRegularizer``) added with its lambda as weight; needs a one-head encoder. None: no
+            term.
         optimizer: builds the optimizer from parameter groups (biases and LayerNorm weights get no weight decay).
             The configs use ``torch.optim.AdamW`` with ColBERT v1's lr 3e-6, eps 1e-8 and no weight decay; a bare
             default is torch's AdamW with its own defaults.
         lr_scheduler: stepped every optimizer step (the configs: ``LinearWarmup``); None keeps lr constant.
         init_from: start from a Lightning ``.ckpt`` or an exported model directory (fine-tuning).
+        terms: further terms, each a loss (``hil.modeling.losses``, ``hil.modeling.terms``) or an isotropy
+            regularizer, each with its own weight; summed after ``loss`` and ``regularizer``.
+        gradcache_chunk_size: encode the batch in chunks of this many texts and assemble the whole batch's gradient
+            with GradCache (``hil.modeling.gradcache``; one process only). None: the whole batch at once.
 
     Logged (``train/<name>``): ``loss``, every part the loss and the regularizer report (``loss_late``,
-    ``pair_accuracy``, ``score_margin``, ``reg``...), ``loss_reg`` (the weighted regularizer term) and InterIso of
-    each head (``inter_iso``, or ``inter_iso_<head>`` with several heads).
+    ``pair_accuracy``, ``score_margin``, ``reg``...), ``loss_reg`` (the weighted regularizer term), for each
+    further term ``loss_<term>`` (weighted) and ``<term>_<part>``, and InterIso of each head (``inter_iso``, or
+    ``inter_iso_<head>`` with several heads).
     """
 
-    def __init__(self, encoder: MultiVectorEncoder, loss: TrainingLoss | None = None,
+    def __init__(self, encoder: MultiVectorEncoder, loss: Term | None = None,
                  regularizer: Regularizer | None = None, optimizer: OptimizerCallable = torch.optim.AdamW,
-                 lr_scheduler: LRSchedulerCallable | None = None, init_from: str | None = None):
+                 lr_scheduler: LRSchedulerCallable | None = None, init_from: str | None = None,
+                 terms: list[Term | Regularizer] | None = None, gradcache_chunk_size: int | None = None):
         super().__init__()
         # The modules are recorded through their settings (``on_save_checkpoint``), not as hyperparameters.
-        self.save_hyperparameters(ignore=["encoder", "loss", "regularizer"])
+        self.save_hyperparameters(ignore=["encoder", "loss", "regularizer", "terms"])
         self.encoder = encoder
         self.loss = loss if loss is not None else PairwiseCE()
         self.regularizer = regularizer
-        if regularizer is not None:
-            if len(encoder.head_names) != 1:
-                raise ValueError(f"model.regularizer applies to a one-head encoder; {encoder.architecture} has heads "
-                                 f"{list(encoder.head_names)} (ColBERT-HIL regularizes through its loss)")
-            regularizer.bind(encoder.dim)
+        self.terms = torch.nn.ModuleList(terms or [])
+        if gradcache_chunk_size is not None and gradcache_chunk_size < 1:
+            raise ValueError(f"model.gradcache_chunk_size must be >= 1 or null (got {gradcache_chunk_size})")
+        self.gradcache_chunk_size = gradcache_chunk_size
+        keys = ["model.loss", *(["model.regularizer"] if regularizer is not None else []),
+                *(f"model.terms[{i}]" for i in range(len(self.terms)))]
+        for key, named in zip(keys, self.objective()):
+            try:
+                named.term.check(encoder)
+            except (TypeError, ValueError) as error:
+                raise type(error)(f"{key}: {error}") from None
         check_optimizer(optimizer)
         self.optimizer_factory = optimizer
         self.scheduler_factory = lr_scheduler
         self.loss_parts: dict[str, Tensor] = {}  # the last step's parts (the non-finite guard reports them)
         self.load_initial_weights(init_from)
 
+    def objective(self) -> list[NamedTerm]:
+        """The terms summed into the loss, in order: ``loss``, ``regularizer``, ``terms``."""
+        return name_terms(self.loss, self.regularizer, list(self.terms))
+
+    @property
+    def needs_teacher_scores(self) -> bool:
+        return any(named.term.needs_teacher_scores for named in self.objective())
+
     # -- training ---------------------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
         datamodule = self.trainer.datamodule if self._trainer is not None else None
-        if stage == "fit" and self.encoder.needs_idf and isinstance(datamodule, TriplesDataModule):
-            found = datamodule.idf_documents()
-            if found is not None:  # None: uniform weights (data.idf_source: none)
-                texts, source = found
-                self.encoder.set_idf_from_texts(texts, source=source)
+        if stage == "fit" and isinstance(datamodule, TriplesDataModule):
+            if self.needs_teacher_scores and not datamodule.has_teacher_scores():
+                wanting = [type(named.term).__name__ for named in self.objective() if named.term.needs_teacher_scores]
+                raise UserError(f"{', '.join(wanting)} needs teacher scores, but the training data "
+                                f"({datamodule.describe_source()}) has none: give data.nway_examples, data.run or "
+                                f"data.pylate with scores")
+            if self.encoder.needs_idf:
+                found = datamodule.idf_documents()
+                if found is not None:  # None: uniform weights (data.idf_source: none)
+                    texts, source = found
+                    self.encoder.set_idf_from_texts(texts, source=source)
 
     def on_fit_start(self) -> None:
         # transformers' from_pretrained leaves the backbone in eval mode (dropout off); ColBERT trains with dropout.
         self.train()
 
-    def compute_loss(self, batch: dict[str, list[str]]) -> tuple[Tensor, dict[str, Tensor]]:
-        """The loss of one batch of string triples and its detached parts (what ``training_step`` logs)."""
-        queries = self.encoder.encode_queries(batch["queries"])                              # (B, Lq)
-        docs = self.encoder.encode_documents(batch["positives"] + batch["negatives"])       # (2B, Ld)
-        triples = TripleBatch(queries, docs)
-        out = self.loss(self.encoder, triples)
-        loss, parts = out.loss, dict(out.parts)
-        if self.regularizer is not None:
-            (head,) = self.encoder.head_names
-            reg, logs = self.regularizer(queries.heads[head], docs.heads[head], queries.mask, docs.mask,
-                                         triples.pair_index, inter_iso_values=triples.inter_iso(head))
-            loss = loss + reg
-            parts.update(loss_reg=reg.detach(), **logs)
+    def objective_value(self, batch: RankingBatch) -> tuple[Tensor, dict[str, Tensor]]:
+        """The weighted sum of the terms over one encoded batch, and the detached parts to log."""
+        loss, parts = weighted_objective(self.objective(), self.encoder, batch)
         for head in self.encoder.head_names:  # InterIso of each head, shared with whatever computed it already
             name = "inter_iso" if len(self.encoder.head_names) == 1 else f"inter_iso_{head}"
             if name not in parts:
-                parts[name] = triples.inter_iso(head).detach().mean()
+                parts[name] = batch.inter_iso(head).detach().mean()
         return loss, parts
+
+    def compute_loss(self, batch: dict[str, Any]) -> tuple[Tensor, dict[str, Tensor]]:
+        """The loss of one batch of strings and its detached parts (what ``training_step`` logs)."""
+        queries, documents, teacher = ranking_texts(batch)
+        if teacher is not None:
+            teacher = torch.as_tensor(teacher, dtype=torch.float32, device=self.encoder.device)
+        if self.gradcache_chunk_size is not None and torch.is_grad_enabled():
+            tokenizer = self.encoder.tokenizer
+            return cached_objective(self.encoder, tokenizer.encode_queries(queries),
+                                    tokenizer.encode_documents(documents), self.gradcache_chunk_size,
+                                    lambda q, d: self.objective_value(RankingBatch(q, d, teacher)))
+        encoded_queries = self.encoder.encode_queries(queries)      # (B, Lq)
+        encoded_docs = self.encoder.encode_documents(documents)    # (N B, Ld)
+        return self.objective_value(RankingBatch(encoded_queries, encoded_docs, teacher))
 
     def training_step(self, batch: dict[str, list[str]], batch_idx: int) -> Tensor:
         loss, parts = self.compute_loss(batch)
@@ -191,9 +242,10 @@ class RetrieverModule(pl.LightningModule):
                                    f"(missing {missing[:5]}, unexpected {unexpected[:5]}); check backbone/dim")
 
     def training_record(self) -> dict[str, Any]:
-        """How this model is trained: loss, regularizer, optimizer and schedule settings."""
+        """How this model is trained: loss, regularizer, further terms, optimizer and schedule settings."""
         return {"loss": self.loss.settings(),
                 "regularizer": None if self.regularizer is None else self.regularizer.settings(),
+                "terms": [named.term.settings() for named in self.objective()[1 + (self.regularizer is not None):]],
                 **{k: v for k, v in self.hparams.items() if not k.startswith("_")}}
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -5,8 +5,10 @@ chunks there first: :mod:`hil.retrieval.chunks`), ``index.json`` last (with ever
 :func:`~hil.retrieval.index.seal_index`), and the folder is renamed to ``<dir>`` only when complete. A process
 killed at any point (SIGKILL included) leaves ``<dir>`` as it was; the rerun reuses the finished chunks and writes
 the same index as an uninterrupted build. The search structures (FAISS files, PLAID centroids) are written by the
-back-end of the chosen ``faiss_kind`` (:mod:`hil.retrieval.backends`); changing only them rewrites them in place
-(:func:`rebuild_faiss`) without encoding the corpus again. The corpus is encoded on the encoder's device, in one
+back-end of the chosen ``backend`` (an :class:`~hil.retrieval.backends.configs.IndexConfig`, or a kind name with its
+defaults: :mod:`hil.retrieval.backends`); changing only them rewrites them in place
+(:func:`rebuild_search_structures`) without encoding the corpus again. Search-time settings are not part of an
+index: they are given to each search. The corpus is encoded on the encoder's device, in one
 process or several (:mod:`hil.retrieval.corpus_encoding`), in the precision asked (recorded; an index encoded in
 another precision is rebuilt by :func:`open_or_build_index`).
 
@@ -27,6 +29,7 @@ import os
 import re
 import shutil
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -35,6 +38,7 @@ import torch
 
 from hil.modeling.contracts import Encoder
 from hil.provenance import file_lock, lock_path, provenance, replace_directory, write_json_atomic
+from hil.retrieval.backends.configs import IndexConfig, configs_from_params, index_config
 from hil.retrieval.backends.registry import BACKENDS, backend_class
 from hil.retrieval.chunks import collect_chunks, join_chunks, kill_if_asked
 from hil.retrieval.codec import CompressedEmbeddings
@@ -44,6 +48,7 @@ from hil.retrieval.fast_encode import DOCUMENT_ENCODINGS, document_encoding_key
 from hil.retrieval.index import (DOC_IDS_JSON, INDEX_FORMAT, INDEX_FORMAT_VERSION, INDEX_JSON, IndexMismatchError,
                                  TokenIndex, embeddings_path, encoder_fingerprint, fingerprint_corpus,
                                  json_normalized, plaid_paths, seal_index, unfinished_build_dir)
+from hil.data.errors import UserError
 from hil.retrieval.integrity import IndexIntegrityError, check_verify
 from hil.retrieval.store import TokenTable
 
@@ -57,6 +62,25 @@ _HEAD_NAME = re.compile(r"^[A-Za-z0-9_\-]+$")
 
 # -- search structures ------------------------------------------------------------------------------------------
 
+def backend_from(backend: str | IndexConfig = "flat", faiss_kind: str | None = None,
+                 faiss_params: dict[str, Any] | None = None) -> IndexConfig:
+    """The build-time settings asked for: ``backend`` (a config, or a kind with its defaults), or, in the spelling
+    before 0.2, ``faiss_kind`` and ``faiss_params`` (with a deprecation notice). Search-time keys in
+    ``faiss_params`` (``nprobe``, ``ndocs``, ...) are refused: an index no longer holds them, so a search would not
+    use them; give them to the search."""
+    if faiss_kind is None and faiss_params is None:
+        return index_config(backend)
+    warnings.warn("faiss_kind / faiss_params are deprecated: pass backend=<kind or IndexConfig> "
+                  "(hil.retrieval.backends.configs)", DeprecationWarning, stacklevel=3)
+    kind = faiss_kind or (backend.kind if isinstance(backend, IndexConfig) else backend)
+    build, search = configs_from_params(kind, faiss_params)
+    misplaced = sorted(set(faiss_params or {}) - type(build).field_names())
+    if misplaced:
+        raise UserError(f"{misplaced} are search-time settings, not part of an index: give them to the search "
+                        f"({type(search).__name__}), not to the index build")
+    return build
+
+
 def _remove_stale_files(directory: Path, head: str, kept: set[Path]) -> None:
     """Remove the files every other kind may have left for ``head`` (an earlier build of another kind)."""
     for backend in BACKENDS.values():
@@ -65,19 +89,19 @@ def _remove_stale_files(directory: Path, head: str, kept: set[Path]) -> None:
                 path.unlink(missing_ok=True)
 
 
-def write_search_files(directory: Path, embeddings: dict[str, TokenTable], kind: str,
-                       params: dict[str, Any] | None, use_gpu: bool, progress: bool,
-                       gpu_device: int = 0) -> dict[str, Any]:
-    """Write the ``kind`` back-end's files of every head; -> the ``"faiss"`` part of ``index.json``.
+def write_search_files(directory: Path, embeddings: dict[str, TokenTable], config: IndexConfig, use_gpu: bool,
+                       progress: bool, gpu_device: int = 0) -> dict[str, Any]:
+    """Write the files of ``config``'s back-end for every head; -> the ``"backend"`` part of ``index.json``.
 
     Files of another kind left from an earlier build are removed, except, for a head stored compressed only, the
     centroid files: they hold its vectors.
     """
+    kind = config.kind
     backend = backend_class(kind)
     resolved: dict[str, Any] = {}
     codecs: dict[str, Any] = {}
     for head, vectors in embeddings.items():
-        resolved = backend.resolve_params(params, vectors.shape[0], vectors.shape[1])
+        resolved = backend.resolve_params(config, vectors.shape[0], vectors.shape[1])
         started = time.perf_counter()
         codec = backend.build_head(directory, head, vectors, resolved, use_gpu=use_gpu, gpu_device=gpu_device)
         kept = set(backend.head_files(directory, head))
@@ -88,7 +112,7 @@ def write_search_files(directory: Path, embeddings: dict[str, TokenTable], kind:
             codecs[head] = codec.settings()
         _remove_stale_files(directory, head, kept)
         if progress and backend.stores_files:
-            logger.info("faiss %s index of head %s: %.1f s", kind, head, time.perf_counter() - started)
+            logger.info("%s structures of head %s: %.1f s", kind, head, time.perf_counter() - started)
     settings = {"kind": kind, "params": resolved, "factory": backend.factory(resolved),
                 "metric": "inner_product", "stored": backend.stores_files}
     if codecs:
@@ -96,17 +120,25 @@ def write_search_files(directory: Path, embeddings: dict[str, TokenTable], kind:
     return settings
 
 
-def rebuild_faiss(index: TokenIndex, faiss_kind: str, faiss_params: dict[str, Any] | None = None, *,
-                  use_gpu: bool = False, progress: bool = True, gpu_device: int = 0) -> TokenIndex:
+def rebuild_search_structures(index: TokenIndex, backend: str | IndexConfig, *, use_gpu: bool = False,
+                              progress: bool = True, gpu_device: int = 0) -> TokenIndex:
     """Replace the search structures of a finished index (the vectors stay), updating ``index.json`` and its file
     records. In place, under the index's lock: a process killed meanwhile leaves files that disagree with
     ``index.json``, which the next open reports (and :func:`open_or_build_index` rebuilds)."""
     with file_lock(lock_path(index.directory), what="rebuilding its search structures"):
-        settings = write_search_files(index.directory, index.embeddings, faiss_kind, faiss_params, use_gpu,
-                                      progress, gpu_device)
-        seal_index(index.directory, dict(index.meta, faiss=settings))
+        settings = write_search_files(index.directory, index.embeddings, index_config(backend), use_gpu, progress,
+                                      gpu_device)
+        meta = {key: value for key, value in index.meta.items() if key != "faiss"}
+        seal_index(index.directory, dict(meta, backend=settings))
         # The checksums were just computed from these very files: the sizes say they are the ones recorded.
         return TokenIndex.load(index.directory, mmap=index.memory_mapped, verify="sizes")
+
+
+def rebuild_faiss(index: TokenIndex, faiss_kind: str, faiss_params: dict[str, Any] | None = None,
+                  **kwargs: Any) -> TokenIndex:
+    """:func:`rebuild_search_structures` in the spelling before 0.2 (deprecated)."""
+    return rebuild_search_structures(index, backend_from(faiss_kind=faiss_kind, faiss_params=faiss_params or {}),
+                                     **kwargs)
 
 
 # -- building ---------------------------------------------------------------------------------------------------
@@ -125,15 +157,14 @@ def _check_corpus(doc_ids: Sequence[str], texts: Sequence[str]) -> None:
         raise TypeError(f"build_index: texts must be strings; positions {bad} are not")
 
 
-def _check_request(heads: Sequence[str], batch_size: int, chunk_docs: int, faiss_kind: str,
-                   faiss_params: dict[str, Any] | None) -> None:
+def _check_request(heads: Sequence[str], batch_size: int, chunk_docs: int, config: IndexConfig) -> None:
     """Refuse a build that cannot succeed, before any work is done."""
     if batch_size < 1 or chunk_docs < 1:
         raise ValueError(f"batch_size and chunk_docs must be >= 1 (got {batch_size}, {chunk_docs})")
     for head in heads:
         if not _HEAD_NAME.match(head):
             raise ValueError(f"head name {head!r} cannot be a file name part (letters, digits, _ and - only)")
-    backend_class(faiss_kind).check_params(faiss_params)
+    backend_class(config.kind).check_config(config)
 
 
 def _check_target(directory: Path, overwrite: bool) -> None:
@@ -174,13 +205,15 @@ def _start_build_dir(directory: Path) -> Path:
 
 
 def build_index(encoder: Encoder, doc_ids: Sequence[str], texts: Sequence[str], directory: str | os.PathLike, *,
-                batch_size: int = 32, chunk_docs: int = 2048, faiss_kind: str = "flat",
-                faiss_params: dict[str, Any] | None = None, corpus_fingerprint: str | None = None,
-                progress: bool = True, overwrite: bool = False, use_gpu: bool = False, gpu_device: int = 0,
-                quantize: str | None = None, calibration_docs: int = CALIBRATION_DOCS, processes: int = 1,
-                precision: str = "fp32") -> TokenIndex:
+                batch_size: int = 32, chunk_docs: int = 2048, backend: str | IndexConfig = "flat",
+                corpus_fingerprint: str | None = None, progress: bool = True, overwrite: bool = False,
+                use_gpu: bool = False, gpu_device: int = 0, quantize: str | None = None,
+                calibration_docs: int = CALIBRATION_DOCS, processes: int = 1, precision: str = "fp32",
+                faiss_kind: str | None = None, faiss_params: dict[str, Any] | None = None) -> TokenIndex:
     """Encode a corpus into a token index at ``directory`` (resumable, finalized atomically; see module docstring).
 
+    ``backend``: the search structures' build-time settings (an :class:`~hil.retrieval.backends.configs.IndexConfig`,
+    or a kind name with its defaults; ``faiss_kind`` / ``faiss_params`` are the deprecated spelling).
     ``corpus_fingerprint`` defaults to :func:`fingerprint_corpus` of the ids and texts. ``use_gpu`` trains/fills
     IVF indexes and PLAID's k-means and codes with faiss-gpu (on ``gpu_device``).
 
@@ -208,7 +241,8 @@ def build_index(encoder: Encoder, doc_ids: Sequence[str], texts: Sequence[str], 
     _check_corpus(doc_ids, texts)
     directory = Path(directory)
     heads = tuple(encoder.head_names)
-    _check_request(heads, batch_size, chunk_docs, faiss_kind, faiss_params)
+    config = backend_from(backend, faiss_kind, faiss_params)
+    _check_request(heads, batch_size, chunk_docs, config)
     device = torch.device(encoder.device)
     _check_encoding(device, processes, precision, quantize)
     corpus_fp = corpus_fingerprint or fingerprint_corpus(doc_ids, texts)
@@ -230,8 +264,7 @@ def build_index(encoder: Encoder, doc_ids: Sequence[str], texts: Sequence[str], 
         kill_if_asked("joined")
 
         embeddings = {head: np.load(embeddings_path(build, head), mmap_mode="r") for head in heads}
-        faiss_settings = write_search_files(build, embeddings, faiss_kind, faiss_params, use_gpu, progress,
-                                            gpu_device)
+        backend_settings = write_search_files(build, embeddings, config, use_gpu, progress, gpu_device)
         del embeddings
         shutil.rmtree(build / CHUNKS_DIR)
         dims = metas[0]["dims"]
@@ -239,7 +272,7 @@ def build_index(encoder: Encoder, doc_ids: Sequence[str], texts: Sequence[str], 
         meta = provenance(settings, format=INDEX_FORMAT, format_version=INDEX_FORMAT_VERSION, n_docs=len(doc_ids),
                           n_tokens=n_tokens, heads=list(heads), dims=dims,
                           dim=next(iter(dims.values())) if len(set(dims.values())) == 1 else None,
-                          embedding_dtype="float16", faiss=faiss_settings, corpus_fingerprint=corpus_fp,
+                          embedding_dtype="float16", backend=backend_settings, corpus_fingerprint=corpus_fp,
                           encoder_fingerprint=encoder_fp, encoding_precision=precision,
                           encoded_on={"device": str(device) if processes == 1 else device.type,
                                       "processes": processes},
@@ -259,17 +292,13 @@ def _same_document_encoding(index: TokenIndex, quantize: str | None, n_calibrati
     return bool(recorded) == bool(wanted) and all(recorded.get(key) == value for key, value in wanted.items())
 
 
-def _same_search_structures(index: TokenIndex, faiss_kind: str, faiss_params: dict[str, Any] | None) -> bool:
-    """Whether the stored structures are what ``faiss_kind`` / ``faiss_params`` would build (search-time settings
-    aside); raises on settings that do not apply to this index."""
-    backend = backend_class(faiss_kind)
-    wanted = [backend.resolve_params(faiss_params, index.n_tokens, dim) for dim in index.dims.values()]
-    stored = index.faiss_settings
-
-    def structural(params: dict[str, Any]) -> dict[str, Any]:
-        return {k: v for k, v in params.items() if k not in backend.search_time_params}
-
-    return stored["kind"] == faiss_kind and all(structural(p) == structural(stored["params"]) for p in wanted)
+def same_search_structures(index: TokenIndex, config: IndexConfig) -> bool:
+    """Whether the stored structures are what ``config`` would build (resolved values compared; search-time
+    settings are not part of an index); raises on settings that do not fit this index."""
+    backend = backend_class(config.kind)
+    wanted = [backend.resolve_params(config, index.n_tokens, dim) for dim in index.dims.values()]
+    stored = index.backend_settings
+    return stored["kind"] == config.kind and all(params == stored["params"] for params in wanted)
 
 
 def _open_matching(directory: Path, corpus_fp: str, encoder: Encoder, verify: str) -> TokenIndex | None:
@@ -295,8 +324,9 @@ def _open_matching(directory: Path, corpus_fp: str, encoder: Encoder, verify: st
 
 def open_or_build_index(encoder: Encoder, doc_ids: Sequence[str], texts: Sequence[str],
                         directory: str | os.PathLike, *, corpus_fingerprint: str | None = None,
-                        faiss_kind: str = "flat", faiss_params: dict[str, Any] | None = None,
-                        use_gpu: bool = False, verify: str = "auto", **build_kwargs: Any) -> TokenIndex:
+                        backend: str | IndexConfig = "flat", use_gpu: bool = False, verify: str = "auto",
+                        faiss_kind: str | None = None, faiss_params: dict[str, Any] | None = None,
+                        **build_kwargs: Any) -> TokenIndex:
     """Reuse the index at ``directory`` when it matches this corpus, encoder, document encoding and precision, else
     (re)build it; ``build_kwargs`` are :func:`build_index`'s (``processes``, ``precision``, ``quantize``, ...).
 
@@ -304,16 +334,18 @@ def open_or_build_index(encoder: Encoder, doc_ids: Sequence[str], texts: Sequenc
     before indexes recorded their files, is rebuilt with a warning. Under the index's lock: a second process asking
     for the same index waits for the first, then reuses what it built.
 
-    When only the search structures differ (search-time settings such as ``nprobe`` aside), only they are
-    rebuilt; a compressed-only index has no fp16 vectors to build them from, so it is encoded again.
+    ``backend`` is compared with the build-time settings the index recorded (search-time settings are not part of
+    it); when only the search structures differ, only they are rebuilt; a compressed-only index has no fp16 vectors
+    to build them from, so it is encoded again.
     """
     directory = Path(directory)
     check_verify(verify)
     corpus_fp = corpus_fingerprint or fingerprint_corpus(doc_ids, texts)
+    config = backend_from(backend, faiss_kind, faiss_params)
 
     def build() -> TokenIndex:
-        return build_index(encoder, doc_ids, texts, directory, faiss_kind=faiss_kind, faiss_params=faiss_params,
-                           corpus_fingerprint=corpus_fp, use_gpu=use_gpu, overwrite=True, **build_kwargs)
+        return build_index(encoder, doc_ids, texts, directory, backend=config, corpus_fingerprint=corpus_fp,
+                           use_gpu=use_gpu, overwrite=True, **build_kwargs)
 
     with file_lock(lock_path(directory), what=f"building {directory.name}"):
         index = _open_matching(directory, corpus_fp, encoder, verify)
@@ -323,15 +355,15 @@ def open_or_build_index(encoder: Encoder, doc_ids: Sequence[str], texts: Sequenc
         if reason is not None:
             logger.info("%s: %s: rebuilding it", directory, reason)
             return build()
-        if _same_search_structures(index, faiss_kind, faiss_params):
+        if same_search_structures(index, config):
             return index
         if index.compressed_only:
             logger.info("%s: compressed-only index with other settings: rebuilding it", directory)
             return build()
-        logger.info("%s: FAISS settings differ (%s -> %s): rebuilding the FAISS part only", directory,
-                    index.faiss_settings["kind"], faiss_kind)
-        return rebuild_faiss(index, faiss_kind, faiss_params, use_gpu=use_gpu,
-                             progress=build_kwargs.get("progress", True), gpu_device=build_kwargs.get("gpu_device", 0))
+        logger.info("%s: search structures differ (%s -> %s): rebuilding them only", directory,
+                    index.backend_settings["kind"], config.kind)
+        return rebuild_search_structures(index, config, use_gpu=use_gpu, progress=build_kwargs.get("progress", True),
+                                         gpu_device=build_kwargs.get("gpu_device", 0))
 
 
 def _rebuild_reason(index: TokenIndex, texts: Sequence[str], build_kwargs: dict[str, Any]) -> str | None:

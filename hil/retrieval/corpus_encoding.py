@@ -70,13 +70,13 @@ def encode_shard(job: CorpusEncoding, device: torch.device, rank: int = 0, world
                  on_written: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Encode the chunks of ``rank`` (of ``world``) with ``job.encoder`` (already on ``device``) under autocast to
     ``job.precision``; -> the identity the chunks were written with (``job.identity`` + ``document_encoding``)."""
-    from tqdm.auto import tqdm
+    from hil.retrieval.progress import progress_bar
 
     view = document_encoder(job.encoder, job.quantize, calibration_texts=job.calibration_texts)
     identity = dict(job.identity, document_encoding=view.document_encoding or None)
     total = shard_docs(len(job.texts), job.chunk_docs, rank, world)
     description = job.description if world == 1 else f"{job.description} (rank 0 of {world})"
-    bar = tqdm(total=total, unit="doc", desc=description, disable=not job.progress or rank != 0)
+    bar = progress_bar(total, description, "doc", enabled=job.progress and rank == 0)
     with eval_mode(view), autocast(device, job.precision):
         encode_in_chunks(view, job.texts, job.chunks, identity, chunk_docs=job.chunk_docs,
                          batch_size=job.batch_size, progress_bar=bar, rank=rank, world=world, on_written=on_written)

@@ -2,7 +2,7 @@
 
 Layout of an index folder ``<dir>``::
 
-    index.json                 settings, counts, fingerprints, search-structure settings ("faiss"), provenance
+    index.json                 settings, counts, fingerprints, search-structure settings ("backend"), provenance
     doc_ids.json               document ids, in corpus order
     doc_offsets.npy            (n_docs + 1,) int64: document i owns tokens [offsets[i], offsets[i+1])
     token_ids.npy              (n_tokens,) int32: the vocabulary id of every stored token (for analysis / IDF)
@@ -59,6 +59,8 @@ DOC_IDS_JSON = "doc_ids.json"
 DOC_OFFSETS_NPY = "doc_offsets.npy"
 TOKEN_IDS_NPY = "token_ids.npy"
 PLAID_FILES = ("centroids", "codes", "ivf_offsets", "ivf_docs", "residuals")
+# Search-time settings indexes written before 0.2 kept beside their build-time ones.
+LEGACY_SEARCH_PARAMS = ("nprobe", "ndocs", "stage2_docs")
 
 
 class IndexMismatchError(UserError):
@@ -111,6 +113,16 @@ def unfinished_build_dir(directory: Path) -> Path:
     return directory.with_name(directory.name + ".tmp-build")
 
 
+def backend_record(meta: dict[str, Any]) -> dict[str, Any]:
+    """The back-end part of an index's ``meta``: ``"backend"``, or ``"faiss"`` in an index written before 0.2.
+    Its ``params`` are build-time settings only; search-time ones that older indexes stored there (``nprobe``,
+    ``ndocs``, ``stage2_docs``) are dropped: searches never read them (:mod:`hil.retrieval.backends.configs`)."""
+    record = dict(meta.get("backend") or meta.get("faiss") or {})
+    if "params" in record:
+        record["params"] = {k: v for k, v in record["params"].items() if k not in LEGACY_SEARCH_PARAMS}
+    return record
+
+
 def embeddings_path(directory: Path, head: str) -> Path:
     return directory / f"{head}.embeddings.npy"
 
@@ -125,7 +137,7 @@ def _load_vectors(directory: Path, meta: dict[str, Any], head: str, mode: str | 
     path = embeddings_path(directory, head)
     if path.is_file():
         return load_npy(path, mode)
-    codec_settings = meta.get("faiss", {}).get("codecs", {}).get(head)
+    codec_settings = backend_record(meta).get("codecs", {}).get(head)
     if codec_settings is None:
         raise FileNotFoundError(f"{path}: missing, and the index stores no compressed vectors for head {head!r}")
     paths = plaid_paths(directory, head)
@@ -209,9 +221,12 @@ class TokenIndex(TokenStore):
         return self.meta["encoder_fingerprint"]
 
     @property
-    def faiss_settings(self) -> dict[str, Any]:
-        """The search structures' settings: ``kind`` (the back-end), resolved ``params``, ``factory``, ..."""
-        return self.meta["faiss"]
+    def backend_settings(self) -> dict[str, Any]:
+        """The search structures' build-time settings: ``kind`` (the back-end), resolved ``params``, ``factory``,
+        ``codecs`` (:func:`backend_record`)."""
+        return backend_record(self.meta)
+
+    faiss_settings = backend_settings  # the name before 0.2
 
     @property
     def compressed_only(self) -> bool:

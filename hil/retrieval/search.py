@@ -6,9 +6,12 @@ proposes each query's candidate documents, the union over heads; then every cand
 ``encoder.score`` (for ColBERT, Eq. 1 ``sum_i max_j E_qi . E_dj``; the model decides how its heads combine:
 search never hard-codes MaxSim). Scores come from the index's fp16 vectors widened to fp32.
 
-Ties are broken by document id (sort by ``(-score, doc_id)``) so every ranking is deterministic. A NaN or infinite
-query vector or score is never ranked: it raises :class:`~hil.retrieval.integrity.NonFiniteError` naming the
-queries and the likely cause (a model producing NaN, or a damaged index).
+Every ranking follows trec_eval's rule (:mod:`hil.data.ranking`: score descending, then document id descending), so
+a metric at k is the same from a depth-k search as from any deeper one. With ``skip_self`` a query's own document
+(same id) is skipped before the top-k cut, as BEIR's exact search does (it retrieves k + 1 and skips it): k
+candidates besides the query itself are ranked. A NaN or infinite query vector or score is never ranked: it raises
+:class:`~hil.retrieval.integrity.NonFiniteError` naming the queries and the likely cause (a model producing NaN, or
+a damaged index).
 """
 
 from __future__ import annotations
@@ -22,13 +25,16 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
+from hil.data.ranking import id_rank, top_k_indices
 from hil.modeling.contracts import EncodedBatch, Encoder
-from hil.retrieval.backends.base import CandidateSettings, Candidates
+from hil.retrieval.backends.base import Candidates
+from hil.retrieval.backends.configs import SearchConfig, with_search_values
 from hil.retrieval.backends.registry import open_backend
 from hil.retrieval.encoding import encode_document_tokens, eval_mode
 from hil.retrieval.index import TokenIndex
 from hil.retrieval.integrity import (check_finite_queries, check_finite_scores, check_finite_vectors,
                                      non_finite_scores)
+from hil.retrieval.progress import progress_bar
 from hil.retrieval.store import TokenStore, gather_documents, length_blocks
 
 # Bound on the (Bq, C, Lq, Lmax) similarity tensor of one ``encoder.score`` call, in fp32 elements (128 MiB).
@@ -109,17 +115,23 @@ def _score_documents_per_query(encoder: Encoder, queries: EncodedBatch, store: T
     return out if by_head else sum(out.values())
 
 
-def top_k(scores: np.ndarray, doc_indices: np.ndarray, doc_id_rank: np.ndarray,
-          k: int) -> tuple[np.ndarray, np.ndarray]:
-    """The ``k`` best documents sorted by ``(-score, doc_id)``. -> (doc_indices (k',), scores (k',))."""
+def top_k(scores: np.ndarray, doc_indices: np.ndarray, doc_id_rank: np.ndarray, k: int,
+          exclude: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The ``k`` best documents in trec_eval's order (score descending, then document id descending:
+    :func:`hil.data.ranking.top_k_indices`); ``exclude``: a document row never ranked (the query's own).
+    -> (doc_indices (k',), scores (k',))."""
     doc_indices = np.asarray(doc_indices, dtype=np.int64)
-    if len(scores) > k:
-        # Keep everything tied with the k-th score so that the id tie-break below sees all of them.
-        kth = np.partition(scores, len(scores) - k)[len(scores) - k]
-        keep = scores >= kth
-        scores, doc_indices = scores[keep], doc_indices[keep]
-    order = np.lexsort((doc_id_rank[doc_indices], -scores))[:k]
-    return doc_indices[order], scores[order]
+    skip = None
+    if exclude is not None:
+        found = np.flatnonzero(doc_indices == exclude)
+        skip = int(found[0]) if len(found) else None
+    best = top_k_indices(scores, doc_id_rank[doc_indices], k, exclude=skip)
+    return doc_indices[best], np.asarray(scores)[best]
+
+
+def _self_row(store: TokenStore, qid: str, skip_self: bool) -> int | None:
+    """The row of the document whose id is the query's (None when not skipped or not in the corpus)."""
+    return store.doc_index.get(qid) if skip_self else None
 
 
 def _where(store: TokenStore) -> str:
@@ -143,9 +155,7 @@ def _query_items(queries: dict[str, str]) -> tuple[list[str], list[str]]:
 
 
 def _progress(total: int, desc: str, enabled: bool) -> Any:
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, unit="query", desc=desc, disable=not enabled)
+    return progress_bar(total, desc, "query", enabled)
 
 
 @contextmanager
@@ -181,32 +191,38 @@ def _named_sources(index: TokenIndex, heads: Sequence[str], found: Candidates,
 
 
 def full_rank(encoder: Encoder, index: TokenIndex, queries: dict[str, str], *, k: int = 1000,
-              ncandidates: int = 256, batch_size: int = 64, max_candidates: int | None = None,
-              nprobe: int | None = None, use_gpu: bool = False, gpu_device: int = 0, block_tokens: int = 1 << 14,
-              keep_candidate_sources: bool = False, progress: bool = True,
-              stage2_docs: int | None = None) -> SearchResult:
+              search: SearchConfig | None = None, batch_size: int = 64, use_gpu: bool = False, gpu_device: int = 0,
+              block_tokens: int = 1 << 14, keep_candidate_sources: bool = False, progress: bool = True,
+              skip_self: bool = False, ncandidates: int | None = None, max_candidates: int | None = None,
+              nprobe: int | None = None, stage2_docs: int | None = None) -> SearchResult:
     """End-to-end retrieval: the back-end's candidate documents (union over heads) -> exact ``encoder.score``
     -> top ``k``.
 
-    Token ANN back-ends (``flat``, ``ivfflat``, ``ivfpq``): per query token ``ncandidates`` ANN hits per head;
-    ``max_candidates`` caps the candidates per query, keeping those with the best approximate score (the sum over
-    heads and query tokens of each token's best retrieved similarity in the document: a ColBERT-style lower bound
-    of MaxSim, a choice of ours); None keeps all. ``nprobe`` overrides the IVF setting stored in the index.
+    ``search``: the search-time settings of the index's back-end (:mod:`hil.retrieval.backends.configs`; its
+    defaults when None); ``ncandidates``, ``max_candidates``, ``nprobe``, ``stage2_docs`` set single fields of it
+    (a field the back-end does not have is refused). Token ANN back-ends (``flat``, ``ivfflat``, ``ivfpq``): per
+    query token ``ncandidates`` ANN hits per head (``nprobe`` IVF lists visited); ``max_candidates`` caps the
+    candidates per query, keeping those with the best approximate score (the sum over heads and query tokens of each
+    token's best retrieved similarity in the document: a ColBERT-style lower bound of MaxSim, a choice of ours).
+    A ``plaid`` index (centroid pruning, :mod:`hil.retrieval.plaid`): each query token probes ``nprobe`` centroids,
+    ``stage2_docs`` documents survive the probed-cells bound, and each head keeps its ``max_candidates`` (``ndocs``)
+    best documents by centroid interaction; the union over heads is scored exactly.
 
-    A ``plaid`` index (centroid pruning, :mod:`hil.retrieval.plaid`) replaces the token ANN search: each query
-    token probes ``nprobe`` centroids, ``stage2_docs`` documents survive the probed-cells bound, and each head keeps
-    its ``max_candidates`` best documents by centroid interaction (defaults: the index's ``nprobe``,
-    ``stage2_docs`` and ``ndocs``); the union over heads is scored exactly. ``ncandidates`` does not apply there.
+    ``stats`` records the settings as the back-end used them (``search``: read back after the search).
     """
-    if k < 1 or ncandidates < 1 or batch_size < 1:
-        raise ValueError(f"k, ncandidates and batch_size must be >= 1 (got {k}, {ncandidates}, {batch_size})")
+    if k < 1 or batch_size < 1:
+        raise ValueError(f"k and batch_size must be >= 1 (got {k}, {batch_size})")
     _check_heads(encoder, index)
     qids, texts = _query_items(queries)
     heads = tuple(encoder.head_names)
-    settings = CandidateSettings(ncandidates=min(ncandidates, max(1, index.n_tokens)),
-                                 max_candidates=max_candidates, nprobe=nprobe, stage2_docs=stage2_docs,
-                                 use_gpu=use_gpu, gpu_device=gpu_device)
-    backend = open_backend(index, settings)
+    kind = index.backend_settings["kind"]
+    if kind == "plaid":  # ``max_candidates`` is PLAID's ``ndocs``
+        fields = {"ndocs": max_candidates, "nprobe": nprobe, "stage2_docs": stage2_docs, "ncandidates": ncandidates}
+    else:
+        fields = {"ncandidates": ncandidates, "max_candidates": max_candidates, "nprobe": nprobe,
+                  "stage2_docs": stage2_docs}
+    search = with_search_values(kind, search, fields)
+    backend = open_backend(index, search, use_gpu=use_gpu, gpu_device=gpu_device)
     overlap = _HeadOverlap(heads)
     run: dict[str, dict[str, float]] = {}
     sources: dict[str, dict[str, tuple[str, ...]]] = {}
@@ -233,7 +249,8 @@ def full_rank(encoder: Encoder, index: TokenIndex, queries: dict[str, str], *, k
                     if not np.isfinite(scores).all():
                         non_finite.append(qid)
                         continue
-                    best_docs, best_scores = top_k(scores, candidates.docs, index.doc_id_rank, k)
+                    best_docs, best_scores = top_k(scores, candidates.docs, index.doc_id_rank, k,
+                                                   exclude=_self_row(index, qid, skip_self))
                     run[qid] = {index.doc_ids[d]: float(s) for d, s in zip(best_docs.tolist(), best_scores.tolist())}
                     kept = candidates.docs if keep_candidate_sources else best_docs
                     sources[qid] = _named_sources(index, heads, candidates, kept.tolist())
@@ -242,8 +259,7 @@ def full_rank(encoder: Encoder, index: TokenIndex, queries: dict[str, str], *, k
             bar.update(len(batch_qids))
     bar.close()
     total = time.perf_counter() - started
-    stats = {"n_queries": len(qids), "k": k, "ncandidates": settings.ncandidates, "max_candidates": max_candidates,
-             "faiss_kind": backend.kind, "nprobe": nprobe, **backend.search_stats(),
+    stats = {"n_queries": len(qids), "k": k, "skip_self": skip_self, "search": backend.search_stats(),
              "candidates_mean": float(np.mean(counts)) if counts else 0.0,
              "candidates_min": int(min(counts, default=0)), "candidates_max": int(max(counts, default=0)),
              "candidate_sources": overlap.counts, **timings, "total_s": total,
@@ -270,7 +286,8 @@ def concat_batches(batches: list[EncodedBatch]) -> EncodedBatch:
 
 
 def exact_rank(encoder: Encoder, index: TokenStore, queries: dict[str, str], k: int = 1000, *, batch_size: int = 64,
-               block_tokens: int = 1 << 14, score_matrix_bytes: int = 1 << 30, progress: bool = True) -> SearchResult:
+               block_tokens: int = 1 << 14, score_matrix_bytes: int = 1 << 30, progress: bool = True,
+               skip_self: bool = False) -> SearchResult:
     """Brute force: ``encoder.score`` of every query against every stored document, then top ``k``.
 
     The ground truth for full ranking. Queries are taken in groups whose (group, n_docs) fp32 score matrix fits
@@ -293,13 +310,15 @@ def exact_rank(encoder: Encoder, index: TokenStore, queries: dict[str, str], k: 
             scores = score_documents(encoder, encoded, index, all_docs, block_tokens=block_tokens)  # (G, n_docs)
             check_finite_scores(scores, group_qids, _where(index))
             for row, qid in enumerate(group_qids):
-                best_docs, best_scores = top_k(scores[row], all_docs, index.doc_id_rank, k)
+                best_docs, best_scores = top_k(scores[row], all_docs, index.doc_id_rank, k,
+                                               exclude=_self_row(index, qid, skip_self))
                 run[qid] = {index.doc_ids[d]: float(s) for d, s in zip(best_docs.tolist(), best_scores.tolist())}
             bar.update(len(group_texts))
     bar.close()
     total = time.perf_counter() - started
     return SearchResult(run, {qid: {} for qid in qids},
-                        {"n_queries": len(qids), "k": k, "candidates_mean": float(index.n_docs), "total_s": total,
+                        {"n_queries": len(qids), "k": k, "skip_self": skip_self,
+                         "candidates_mean": float(index.n_docs), "total_s": total,
                          "ms_per_query": 1000.0 * total / max(1, len(qids))})
 
 
@@ -333,12 +352,13 @@ def exhaustive_scores(encoder: Encoder, store: TokenStore, queries: dict[str, st
 
 
 def rank_matrix(scores: np.ndarray, qids: Sequence[str], doc_ids: Sequence[str], k: int,
-                candidates: dict[str, Sequence[str]] | None = None) -> dict[str, dict[str, float]]:
+                candidates: dict[str, Sequence[str]] | None = None,
+                skip_self: bool = False) -> dict[str, dict[str, float]]:
     """Top ``k`` per query of a dense (Q, n_docs) score matrix, columns ``doc_ids``: of every document, or,
-    with ``candidates``, of each query's candidates only (a query without any gets an empty ranking)."""
+    with ``candidates``, of each query's candidates only (a query without any gets an empty ranking); trec_eval's
+    order, the query's own document skipped with ``skip_self`` (module docstring)."""
     doc_index = {doc: i for i, doc in enumerate(doc_ids)}
-    id_rank = np.empty(len(doc_ids), dtype=np.int64)  # position of each id in sorted id order (ties: by id)
-    id_rank[np.argsort(np.array(doc_ids, dtype=str), kind="stable")] = np.arange(len(doc_ids))
+    ranks = id_rank(doc_ids)
     every = np.arange(len(doc_ids), dtype=np.int64)
     run: dict[str, dict[str, float]] = {}
     non_finite = []
@@ -351,7 +371,8 @@ def rank_matrix(scores: np.ndarray, qids: Sequence[str], doc_ids: Sequence[str],
         if not np.isfinite(scores[row, docs]).all():
             non_finite.append(qid)
             continue
-        best, best_scores = top_k(scores[row, docs], docs, id_rank, k)
+        best, best_scores = top_k(scores[row, docs], docs, ranks, k,
+                                  exclude=doc_index.get(qid) if skip_self else None)
         run[qid] = {doc_ids[d]: float(s) for d, s in zip(best.tolist(), best_scores.tolist())}
     if non_finite:
         raise non_finite_scores(non_finite, "the score matrix")
@@ -366,7 +387,8 @@ def _unique_in_order(items: Sequence[str]) -> list[str]:
 
 def rerank(encoder: Encoder, index: TokenStore | None, queries: dict[str, str], candidates: dict[str, Sequence[str]],
            texts: dict[str, str] | None = None, k: int = 1000, *, batch_size: int = 64, doc_batch_size: int = 32,
-           chunk_docs: int = 2048, block_tokens: int = 1 << 14, progress: bool = True) -> SearchResult:
+           chunk_docs: int = 2048, block_tokens: int = 1 << 14, progress: bool = True,
+           skip_self: bool = False) -> SearchResult:
     """Re-rank given candidates (e.g. BM25's top 100) with ``encoder.score``; top ``k`` per query.
 
     With an index, the stored vectors are scored (the numbers full ranking gives); without one, the candidates'
@@ -425,7 +447,8 @@ def rerank(encoder: Encoder, index: TokenStore | None, queries: dict[str, str], 
                     if not np.isfinite(scores).all():
                         non_finite.append(qid)
                         continue
-                    best_docs, best_scores = top_k(scores, docs, store.doc_id_rank, k)
+                    best_docs, best_scores = top_k(scores, docs, store.doc_id_rank, k,
+                                                   exclude=_self_row(store, qid, skip_self))
                     run[qid] = {store.doc_ids[d]: float(s) for d, s in zip(best_docs.tolist(), best_scores.tolist())}
                 if non_finite:  # documents encoded just now (no index) are the model's output
                     raise non_finite_scores(non_finite, _where(index) if index is not None else "the candidates "
@@ -436,7 +459,8 @@ def rerank(encoder: Encoder, index: TokenStore | None, queries: dict[str, str], 
     total = time.perf_counter() - started
     counts = [len(docs) for docs in wanted.values()]
     return SearchResult(run, {qid: {} for qid in qids},
-                        {"n_queries": len(qids), "k": k, "candidates_mean": float(np.mean(counts)) if counts else 0.0,
+                        {"n_queries": len(qids), "k": k, "skip_self": skip_self,
+                         "candidates_mean": float(np.mean(counts)) if counts else 0.0,
                          **timings, "total_s": total, "ms_per_query": 1000.0 * total / max(1, len(qids))})
 
 

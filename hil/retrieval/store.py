@@ -19,6 +19,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from hil.data.ranking import id_rank
 from hil.modeling.contracts import EncodedBatch
 from hil.retrieval.codec import CompressedEmbeddings
 
@@ -90,10 +91,9 @@ class TokenStore:
 
     @cached_property
     def doc_id_rank(self) -> np.ndarray:
-        """(n_docs,) int64: the position of each document id in sorted id order (to break score ties by id)."""
-        rank = np.empty(self.n_docs, dtype=np.int64)
-        rank[np.argsort(np.array(self.doc_ids, dtype=str), kind="stable")] = np.arange(self.n_docs)
-        return rank
+        """(n_docs,) int64: the position of each document id in sorted id order (to break score ties by id:
+        :mod:`hil.data.ranking`)."""
+        return id_rank(self.doc_ids)
 
 
 # -- blocking by length -----------------------------------------------------------------------------------------

@@ -56,7 +56,8 @@ from hil.isotropy.post_transform import PostTransform
 from hil.isotropy.postprocess import TransformPipeline, fit_transform_from_config, load_transform
 from hil.modeling.contracts import EncodedBatch, Encoder
 from hil.provenance import file_lock, lock_path, provenance, replace_directory, write_json_atomic
-from hil.retrieval.builder import rebuild_faiss
+from hil.retrieval.backends.configs import FlatIndexConfig, IndexConfig
+from hil.retrieval.builder import backend_from, rebuild_search_structures, same_search_structures
 from hil.retrieval.encoding import encode_document_tokens, eval_mode
 from hil.retrieval.index import (DOC_IDS_JSON, DOC_OFFSETS_NPY, INDEX_FORMAT, INDEX_FORMAT_VERSION, INDEX_JSON,
                                  TOKEN_IDS_NPY, TokenIndex, encoder_fingerprint, save_npy_atomic, seal_index)
@@ -388,21 +389,23 @@ def fit_transformed_encoder(encoder: Encoder, spec: str, *, store: TokenStore | 
 # -- a derived index --------------------------------------------------------------------------------------------
 
 def derive_transformed_index(base: TokenIndex, encoder: TransformedEncoder, directory: str | os.PathLike, *,
-                             faiss_kind: str = "flat", faiss_params: dict[str, Any] | None = None,
-                             block_tokens: int = 1 << 16, overwrite: bool = False,
-                             progress: bool = False) -> TokenIndex:
+                             backend: str | IndexConfig = "flat", block_tokens: int = 1 << 16,
+                             overwrite: bool = False, progress: bool = False, faiss_kind: str | None = None,
+                             faiss_params: dict[str, Any] | None = None) -> TokenIndex:
     """Write a token index at ``directory`` holding ``base``'s stored vectors passed through ``encoder``'s transforms.
 
     ``base`` must have been built by ``encoder.inner`` (checked by fingerprint). Documents, offsets and token ids
     are copied; each transformed head is mapped in blocks of ``block_tokens`` (bounded memory) and stored in fp16.
     The folder is written under ``<dir>.tmp-derive`` and renamed when complete, with the transforms saved in it and
     every file recorded in ``index.json`` (:func:`~hil.retrieval.index.seal_index`); under ``<dir>.lock``.
+    ``backend``: the search structures' build-time settings (``faiss_kind`` / ``faiss_params``: deprecated).
     """
     directory = Path(directory)
+    config = backend_from(backend, faiss_kind, faiss_params)
     with file_lock(lock_path(directory), what=f"deriving {directory.name}"):
         index = _derive(base, encoder, directory, block_tokens, overwrite)
-        if faiss_kind != "flat":
-            index = rebuild_faiss(index, faiss_kind, faiss_params, progress=progress)
+        if config != FlatIndexConfig():
+            index = rebuild_search_structures(index, config, progress=progress)
         return index
 
 
@@ -452,8 +455,8 @@ def _derive(base: TokenIndex, encoder: TransformedEncoder, directory: Path, bloc
                       n_tokens=n_tokens, heads=list(encoder.head_names), dims=dims,
                       dim=next(iter(dims.values())) if len(set(dims.values())) == 1 else None,
                       embedding_dtype="float16",
-                      faiss={"kind": "flat", "params": {}, "factory": "Flat", "metric": "inner_product",
-                             "stored": False},
+                      backend={"kind": "flat", "params": {}, "factory": "Flat", "metric": "inner_product",
+                               "stored": False},
                       corpus_fingerprint=base.corpus_fingerprint, encoder_fingerprint=encoder_fingerprint(encoder),
                       derived_from={"directory": str(base.directory), "encoder_fingerprint": base.encoder_fingerprint,
                                     "transform": encoder.spec, "mode": encoder.mode,
@@ -464,12 +467,13 @@ def _derive(base: TokenIndex, encoder: TransformedEncoder, directory: Path, bloc
 
 
 def open_or_derive_index(base: TokenIndex, encoder: TransformedEncoder, directory: str | os.PathLike, *,
-                         faiss_kind: str = "flat", faiss_params: dict[str, Any] | None = None,
-                         progress: bool = False, verify: str = "auto") -> TokenIndex:
+                         backend: str | IndexConfig = "flat", progress: bool = False, verify: str = "auto",
+                         faiss_kind: str | None = None, faiss_params: dict[str, Any] | None = None) -> TokenIndex:
     """Reuse the derived index at ``directory`` when its fingerprints match ``encoder`` and ``base`` and its files
     are intact (checked as ``verify`` says: :meth:`TokenIndex.load`); else derive it (a damaged one, or one written
     before indexes recorded their files, with a warning). Under ``<dir>.lock``: a second process waits."""
     directory = Path(directory)
+    config = backend_from(backend, faiss_kind, faiss_params)
     with file_lock(lock_path(directory), what=f"deriving {directory.name}"):
         if (directory / INDEX_JSON).is_file():
             try:
@@ -480,9 +484,8 @@ def open_or_derive_index(base: TokenIndex, encoder: TransformedEncoder, director
             else:
                 if index.verified == "none":
                     logger.warning("%s: deriving it again so that it records its files", directory)
-                elif index.faiss_settings["kind"] == faiss_kind:
+                elif same_search_structures(index, config):
                     return index
                 else:
-                    return rebuild_faiss(index, faiss_kind, faiss_params, progress=progress)
-        return derive_transformed_index(base, encoder, directory, faiss_kind=faiss_kind, faiss_params=faiss_params,
-                                        overwrite=True, progress=progress)
+                    return rebuild_search_structures(index, config, progress=progress)
+        return derive_transformed_index(base, encoder, directory, backend=config, overwrite=True, progress=progress)

@@ -5,9 +5,11 @@ Full ranking (:func:`hil.retrieval.search.full_rank`) is two steps: a back-end p
 therefore only answers "which documents are worth scoring, and which head proposed each"; it never ranks.
 
 A back-end class is registered under its ``kind`` (:mod:`hil.retrieval.backends.registry`) and owns everything
-kind-specific: which ``faiss_params`` it accepts and their defaults (:meth:`SearchBackend.resolve_params`), the
-files it writes beside the vectors (:meth:`SearchBackend.build_head`, :meth:`SearchBackend.head_files`), and the
-search itself (:meth:`SearchBackend.candidates`), given the search-time :class:`CandidateSettings`.
+kind-specific: its typed build-time and search-time settings (``index_config`` / ``search_config``, classes of
+:mod:`hil.retrieval.backends.configs`), the defaults of the build-time ones (:meth:`SearchBackend.resolve_params`),
+the files it writes beside the vectors (:meth:`SearchBackend.build_head`, :meth:`SearchBackend.head_files`), and the
+search itself (:meth:`SearchBackend.candidates`) under its search settings, whose values as used it reports
+(:meth:`SearchBackend.search_stats`).
 """
 
 from __future__ import annotations
@@ -21,21 +23,10 @@ import numpy as np
 
 from hil.data.errors import UserError
 from hil.modeling.contracts import EncodedBatch
+from hil.retrieval.backends.configs import IndexConfig, SearchConfig, check_search
 from hil.retrieval.codec import ResidualCodec
 from hil.retrieval.index import TokenIndex
 from hil.retrieval.store import TokenTable
-
-
-@dataclass(frozen=True)
-class CandidateSettings:
-    """Search-time settings of candidate generation (the arguments of ``full_rank``)."""
-
-    ncandidates: int = 256              # token ANN: nearest stored tokens per query token and head
-    max_candidates: int | None = None   # cap per query; token ANN: by approximate score, plaid: ``ndocs`` per head
-    nprobe: int | None = None           # IVF lists / PLAID centroids probed per query token (None: the index's)
-    stage2_docs: int | None = None      # plaid: documents kept by the probed-cells bound (None: the index's)
-    use_gpu: bool = False               # FAISS on the GPU (where faiss-gpu sees one)
-    gpu_device: int = 0                 # which GPU (``--device cuda:N`` searches on GPU N)
 
 
 @dataclass
@@ -49,35 +40,38 @@ class Candidates:
 class SearchBackend(ABC):
     """Candidate generation over one opened :class:`~hil.retrieval.index.TokenIndex` (see the module docstring).
 
-    Class attributes: ``kind`` (the registry name, recorded in ``index.json``), ``accepted_params`` (the
-    ``faiss_params`` keys it takes), ``search_time_params`` (those that only steer search: changing them never
-    rebuilds anything) and ``stores_files`` (False when the structure is rebuilt in memory from the vectors).
+    Class attributes: ``kind`` (the registry name, recorded in ``index.json``), ``index_config`` (its build-time
+    settings class), ``search_config`` (its search-time settings class) and ``stores_files`` (False when the
+    structure is rebuilt in memory from the vectors). ``search`` is applied to every search of this instance;
+    ``use_gpu`` / ``gpu_device`` say where FAISS searches (where faiss-gpu sees that GPU).
     """
 
     kind: ClassVar[str]
-    accepted_params: ClassVar[frozenset[str]] = frozenset()
-    search_time_params: ClassVar[frozenset[str]] = frozenset()
+    index_config: ClassVar[type[IndexConfig]]
+    search_config: ClassVar[type[SearchConfig]]
     stores_files: ClassVar[bool] = True
 
-    def __init__(self, index: TokenIndex, settings: CandidateSettings = CandidateSettings()):
+    def __init__(self, index: TokenIndex, search: SearchConfig | None = None, *, use_gpu: bool = False,
+                 gpu_device: int = 0):
         self.index = index
-        self.settings = settings
+        self.search = check_search(self.kind, search)
+        self.use_gpu = use_gpu
+        self.gpu_device = gpu_device
 
     # -- building (class methods: the index is not open yet) -----------------------------------------------------
     @classmethod
-    def check_params(cls, params: dict[str, Any] | None) -> dict[str, Any]:
-        """Reject a parameter that does not apply to this kind (before any work is done); -> a copy."""
-        params = dict(params or {})
-        unknown = set(params) - cls.accepted_params
-        if unknown:
-            raise UserError(f"faiss_params {sorted(unknown)} do not apply to faiss_kind={cls.kind!r} "
-                             f"(known: {sorted(cls.accepted_params)})")
-        return params
+    def check_config(cls, config: IndexConfig) -> IndexConfig:
+        """Refuse build-time settings of another back-end (before any work is done)."""
+        if type(config) is not cls.index_config:
+            raise UserError(f"{type(config).__name__} does not configure a {cls.kind!r} index (it takes "
+                             f"{cls.index_config.__name__})")
+        return config
 
     @classmethod
     @abstractmethod
-    def resolve_params(cls, params: dict[str, Any] | None, n_tokens: int, dim: int) -> dict[str, Any]:
-        """Complete ``params`` with defaults for a head of ``n_tokens`` (n_tokens, dim) vectors, checking them."""
+    def resolve_params(cls, config: IndexConfig, n_tokens: int, dim: int) -> dict[str, Any]:
+        """``config``'s values with every default filled in for a head of ``n_tokens`` (n_tokens, dim) vectors,
+        checked against them (an ``nlist`` above the number of tokens, an ``m`` not dividing ``dim``, ...)."""
 
     @classmethod
     @abstractmethod
@@ -105,5 +99,6 @@ class SearchBackend(ABC):
         """
 
     def search_stats(self) -> dict[str, Any]:
-        """Settings this back-end resolved for the search, for the search statistics (empty by default)."""
-        return {}
+        """The search-time settings as this back-end used them (read back from its structures where they hold
+        them, e.g. a FAISS index's ``nprobe``), with its ``kind``: what a results file records."""
+        return {"backend": self.kind, **self.search.values()}

@@ -17,7 +17,8 @@ import numpy as np
 from hil.data.errors import UserError
 from hil.modeling.contracts import EncodedBatch
 from hil.provenance import atomic_output
-from hil.retrieval.backends.base import CandidateSettings, Candidates, SearchBackend
+from hil.retrieval.backends.base import Candidates, SearchBackend
+from hil.retrieval.backends.configs import IndexConfig, PlaidIndexConfig, PlaidSearchConfig
 from hil.retrieval.codec import NBITS, CompressedEmbeddings, ResidualCodec, fit_residual_codec
 from hil.retrieval.index import DOC_OFFSETS_NPY, TokenIndex, embeddings_path, plaid_paths, save_npy_atomic
 from hil.retrieval.integrity import check_finite_vectors, load_npy, rebuild_hint
@@ -36,9 +37,8 @@ def _check_plaid_params(resolved: dict[str, Any], n_tokens: int, dim: int) -> No
     if resolved["train_size"] < n_centroids:
         raise UserError(f"plaid: n_centroids={n_centroids} needs at least as many training tokens "
                          f"(train_size={resolved['train_size']})")
-    for name in ("nprobe", "ndocs", "stage2_docs", "niter"):
-        if resolved[name] < 1:
-            raise UserError(f"plaid: {name} must be >= 1, got {resolved[name]}")
+    if resolved["niter"] < 1:
+        raise UserError(f"plaid: niter must be >= 1, got {resolved['niter']}")
     if bits and (bits not in NBITS or dim * bits % 8):
         raise UserError(f"plaid: residual_bits must be 0 or one of {NBITS} (with D * bits a multiple of 8), "
                          f"got {bits}")
@@ -47,40 +47,27 @@ def _check_plaid_params(resolved: dict[str, Any], n_tokens: int, dim: int) -> No
 
 
 class PlaidBackend(SearchBackend):
-    """Centroid pruning (see the module docstring); search-time defaults come from the index's settings."""
+    """Centroid pruning (see the module docstring), steered by a :class:`PlaidSearchConfig` at every search."""
 
     kind = "plaid"
-    accepted_params = frozenset({"n_centroids", "train_size", "niter", "seed", "nprobe", "ndocs", "stage2_docs",
-                                 "residual_bits", "keep_embeddings"})
-    search_time_params = frozenset({"nprobe", "ndocs", "stage2_docs"})
-
-    def __init__(self, index: TokenIndex, settings: CandidateSettings = CandidateSettings()):
-        super().__init__(index, settings)
-        stored = index.faiss_settings["params"]
-        # The caller's settings where given, else the index's: nprobe centroids per query token, stage2_docs
-        # documents kept by the probed-cells bound, ndocs (max_candidates) kept per head by centroid interaction.
-        self.plaid = {"nprobe": int(settings.nprobe or stored["nprobe"]),
-                      "ndocs": int(settings.max_candidates or stored["ndocs"]),
-                      "stage2_docs": int(settings.stage2_docs or stored["stage2_docs"])}
+    index_config = PlaidIndexConfig
+    search_config = PlaidSearchConfig
 
     # -- building -----------------------------------------------------------------------------------------------
     @classmethod
-    def resolve_params(cls, params: dict[str, Any] | None, n_tokens: int, dim: int) -> dict[str, Any]:
-        """Stored structure: ``n_centroids`` (default ColBERTv2's ``2**floor(log2(16 sqrt(n_tokens)))``), k-means on
-        ``train_size`` sampled tokens (default ``min(n_tokens, 32 n_centroids)``) for ``niter`` iterations (default
-        4, ColBERTv2's), ``seed``; ``residual_bits`` (0 = none; 1, 2, 4 or 8) adds ColBERTv2 residual codes, and
-        ``keep_embeddings=False`` (only with residuals) then drops the fp16 vectors: search scores decompressed
-        vectors. Search-time defaults: ``nprobe`` 8, ``stage2_docs`` 1024, ``ndocs`` 256 (per head)."""
-        params = cls.check_params(params)
+    def resolve_params(cls, config: IndexConfig, n_tokens: int, dim: int) -> dict[str, Any]:
+        """Stored structure (:class:`PlaidIndexConfig`): ``n_centroids`` (default ColBERTv2's
+        ``2**floor(log2(16 sqrt(n_tokens)))``), k-means on ``train_size`` sampled tokens (default
+        ``min(n_tokens, 32 n_centroids)``) for ``niter`` iterations, ``seed``, ``residual_bits``,
+        ``keep_embeddings``."""
+        params = cls.check_config(config).given()
         n_centroids = int(params.get("n_centroids") or default_n_centroids(n_tokens))
         resolved: dict[str, Any] = {
             "n_centroids": n_centroids,
             "train_size": min(n_tokens, int(params.get("train_size") or 32 * n_centroids)),
-            "niter": int(params.get("niter", 4)), "seed": int(params.get("seed", 0)),
-            "nprobe": int(params.get("nprobe", 8)), "ndocs": int(params.get("ndocs", 256)),
-            "stage2_docs": int(params.get("stage2_docs", 1024)),
+            "niter": int(params["niter"]), "seed": int(params["seed"]),
             "residual_bits": int(params.get("residual_bits") or 0),
-            "keep_embeddings": bool(params.get("keep_embeddings", True))}
+            "keep_embeddings": bool(params["keep_embeddings"])}
         _check_plaid_params(resolved, n_tokens, dim)
         return resolved
 
@@ -151,14 +138,22 @@ class PlaidBackend(SearchBackend):
         per_head = []
         for head in heads:
             vectors = queries.heads[head][row][mask].float().cpu()  # (Lq', D) scored query tokens
-            docs, _, _ = plaid_candidates(self.plan(head), vectors, **self.plaid)
+            docs, _, _ = plaid_candidates(self.plan(head), vectors, nprobe=self.search.nprobe,
+                                          ndocs=self.search.ndocs, stage2_docs=self.search.stage2_docs)
             per_head.append(docs)
         union = np.unique(np.concatenate(per_head)) if per_head else np.zeros(0, dtype=np.int64)
         flags = np.stack([np.isin(union, docs, assume_unique=True) for docs in per_head], axis=1)  # (U, H)
         return Candidates(union, flags)
 
     def search_stats(self) -> dict[str, Any]:
-        return {"plaid": dict(self.plaid)}
+        """The three stages' settings as passed to :func:`~hil.retrieval.plaid.plaid_candidates` (it clips
+        ``nprobe`` to the number of centroids: recorded as clipped)."""
+        stats = super().search_stats()
+        n_centroids = min((len(plan.centroids) for key, plan in self.index.search_structures.items()
+                           if key[0] == "plan"), default=None)
+        if n_centroids is not None:
+            stats["nprobe"] = min(self.search.nprobe, n_centroids)
+        return stats
 
 
 def _write_residuals(path: Path, vectors: np.ndarray, codes: np.ndarray, centroids: np.ndarray,

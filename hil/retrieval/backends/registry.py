@@ -1,31 +1,36 @@
 """Which back-end serves which ``kind``: the one place that knows every back-end class.
 
-``index.json`` records the kind an index was built with (under ``"faiss"``, the historical name); building,
-rebuilding and searching all look the class up here instead of branching on the kind.
+``index.json`` records the kind an index was built with (under ``"backend"``; ``"faiss"`` in indexes written before
+0.2); building, rebuilding and searching all look the class up here instead of branching on the kind.
 """
 
 from __future__ import annotations
 
-from hil.retrieval.backends.base import CandidateSettings, SearchBackend
+from hil.data.errors import UserError
+from hil.retrieval.backends.base import SearchBackend
 from hil.retrieval.backends.centroid import PlaidBackend
+from hil.retrieval.backends.configs import SearchConfig
 from hil.retrieval.backends.token_ann import FlatBackend, IvfFlatBackend, IvfPqBackend
 from hil.retrieval.index import TokenIndex
 
 BACKENDS: dict[str, type[SearchBackend]] = {
     backend.kind: backend for backend in (FlatBackend, IvfFlatBackend, IvfPqBackend, PlaidBackend)}
-FAISS_KINDS = tuple(BACKENDS)
+BACKEND_KINDS = tuple(BACKENDS)
+FAISS_KINDS = BACKEND_KINDS  # the name before 0.2
 
 
 def backend_class(kind: str) -> type[SearchBackend]:
     """The back-end registered as ``kind``; an unknown kind is refused with the known ones listed."""
     if kind not in BACKENDS:
-        raise ValueError(f"faiss_kind must be one of {FAISS_KINDS}, got {kind!r}")
+        raise UserError(f"backend must be one of {BACKEND_KINDS}, got {kind!r}")
     return BACKENDS[kind]
 
 
-def open_backend(index: TokenIndex, settings: CandidateSettings | None = None) -> SearchBackend:
-    """The back-end of ``index``'s kind, bound to it with search-time ``settings`` (defaults when None).
+def open_backend(index: TokenIndex, search: SearchConfig | None = None, *, use_gpu: bool = False,
+                 gpu_device: int = 0) -> SearchBackend:
+    """The back-end of ``index``'s kind, bound to it with search-time settings ``search`` (the kind's defaults when
+    None; settings of another kind are refused).
 
     Cheap: what it loads (FAISS indexes, centroid plans) is kept with the opened index, not with the back-end.
     """
-    return backend_class(index.faiss_settings["kind"])(index, settings or CandidateSettings())
+    return backend_class(index.backend_settings["kind"])(index, search, use_gpu=use_gpu, gpu_device=gpu_device)

@@ -29,6 +29,8 @@ from hil.data.errors import UserError
 from hil.modeling.contracts import EncodedBatch
 from hil.provenance import atomic_output
 from hil.retrieval.backends.base import Candidates, SearchBackend
+from hil.retrieval.backends.configs import (FlatIndexConfig, FlatSearchConfig, IndexConfig, IvfFlatIndexConfig,
+                                            IvfPqIndexConfig, IvfSearchConfig)
 from hil.retrieval.codec import ResidualCodec
 from hil.retrieval.integrity import NonFiniteError, check_finite_vectors, rebuild_hint
 from hil.retrieval.store import TokenTable
@@ -58,15 +60,27 @@ def _is_gpu_index(index: Any) -> bool:
     return type(index).__name__.startswith("Gpu")
 
 
-def set_nprobe(index: Any, nprobe: int) -> None:
-    """Set the number of inverted lists visited per query vector (IVF indexes; a no-op for flat ones)."""
+def _ivf_part(index: Any) -> Any:
+    """The IVF part of a FAISS index (the object that holds ``nprobe``), or None for a flat index."""
     import faiss
 
     try:
-        faiss.extract_index_ivf(index).nprobe = int(nprobe)
+        return faiss.extract_index_ivf(index)
     except RuntimeError:
-        if hasattr(index, "nprobe"):  # a GPU IVF index: extract_index_ivf does not know its type
-            index.nprobe = int(nprobe)
+        return index if hasattr(index, "nprobe") else None  # a GPU IVF index: extract_index_ivf does not know it
+
+
+def set_nprobe(index: Any, nprobe: int) -> None:
+    """Set the number of inverted lists visited per query vector (IVF indexes; a no-op for flat ones)."""
+    part = _ivf_part(index)
+    if part is not None:
+        part.nprobe = int(nprobe)
+
+
+def get_nprobe(index: Any) -> int | None:
+    """The ``nprobe`` a FAISS index searches with now (None for a flat index): read back for the records."""
+    part = _ivf_part(index)
+    return None if part is None else int(part.nprobe)
 
 
 # -- candidates from token hits ---------------------------------------------------------------------------------
@@ -110,20 +124,39 @@ class TokenAnnBackend(SearchBackend):
 
     trained: ClassVar[bool] = False
 
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._used_nprobe: dict[str, int | None] = {}  # head -> nprobe its FAISS index searched with
+
+    @property
+    def ncandidates(self) -> int:
+        """Neighbours asked per query token: ``ncandidates``, but never more than the index holds."""
+        return min(self.search.ncandidates, max(1, self.index.n_tokens))
+
+    def search_stats(self) -> dict[str, Any]:
+        """The settings as used: ``ncandidates`` as asked of FAISS, and ``nprobe`` read back from each head's
+        FAISS index after its last search (one value when the heads agree)."""
+        stats: dict[str, Any] = {**super().search_stats(), "ncandidates": self.ncandidates}
+        if isinstance(self.search, IvfSearchConfig):
+            used = set(self._used_nprobe.values())
+            stats["nprobe"] = used.pop() if len(used) == 1 else dict(self._used_nprobe) or None
+        return stats
+
     @abstractmethod
     def _open_faiss(self, head: str) -> Any:
         """The FAISS index of ``head`` for this search's device (loaded or rebuilt)."""
 
     def faiss_index(self, head: str) -> Any:
         """The FAISS index of ``head``, loaded (or, for ``flat``, rebuilt from the embeddings) on first use and kept
-        with the opened index; this search's ``nprobe``, when given, is set on it."""
+        with the opened index; this search's ``nprobe`` is set on it every time (the cached object is shared by
+        every search of the opened index, each with its own settings)."""
         self.index.require_head(head)
-        key = ("faiss", head, self.settings.use_gpu and self.settings.gpu_device)
+        key = ("faiss", head, self.use_gpu and self.gpu_device)
         cache = self.index.search_structures
         if key not in cache:
             cache[key] = self._open_faiss(head)
-        if self.settings.nprobe is not None:
-            set_nprobe(cache[key], self.settings.nprobe)
+        if isinstance(self.search, IvfSearchConfig):
+            set_nprobe(cache[key], self.search.nprobe)
         return cache[key]
 
     @classmethod
@@ -147,7 +180,6 @@ class TokenAnnBackend(SearchBackend):
             rng = np.random.default_rng(params["seed"])
             sample = np.sort(rng.choice(n_tokens, size=params["train_size"], replace=False))
             index.train(np.ascontiguousarray(vectors[sample], dtype=np.float32))
-            set_nprobe(index, params["nprobe"])
         for start in range(0, n_tokens, block_tokens):
             block = np.ascontiguousarray(vectors[start: start + block_tokens], dtype=np.float32)
             check_finite_vectors(block, what, advice, first_row=start)
@@ -158,7 +190,7 @@ class TokenAnnBackend(SearchBackend):
         mask = queries.mask.bool()
         token_rows = np.nonzero(mask.cpu().numpy())[0].astype(np.int64)  # query row of each scored token
         union, flags, approx = self._union_over_heads(queries, mask, token_rows, heads)
-        n_docs, cap = self.index.n_docs, self.settings.max_candidates
+        n_docs, cap = self.index.n_docs, self.search.max_candidates
         bounds = np.searchsorted(union // n_docs, np.arange(len(queries) + 1))  # union is sorted by (row, doc)
         found = []
         for row in range(len(queries)):
@@ -173,13 +205,15 @@ class TokenAnnBackend(SearchBackend):
                           heads: Sequence[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """ANN search of a batch's query tokens in every head -> (union keys ``row * n_docs + doc`` sorted (U,),
         flags (U, H), approximate scores (U,) when candidates are capped, else None)."""
-        n_docs, want_approx = self.index.n_docs, self.settings.max_candidates is not None
+        n_docs, want_approx = self.index.n_docs, self.search.max_candidates is not None
         head_keys, approx_keys, approx_values = [], [], []
         for head in heads:
             vectors = np.ascontiguousarray(queries.heads[head][mask].float().cpu().numpy())  # (T, D)
-            keys, row_keys, best = head_hits(self.faiss_index(head), vectors, token_rows, self.index.token_doc,
-                                             n_docs, self.settings.ncandidates, want_approx,
+            faiss_index = self.faiss_index(head)
+            keys, row_keys, best = head_hits(faiss_index, vectors, token_rows, self.index.token_doc,
+                                             n_docs, self.ncandidates, want_approx,
                                              where=f"{self.index.directory} (head {head})")
+            self._used_nprobe[head] = get_nprobe(faiss_index)
             head_keys.append(keys)
             approx_keys.append(row_keys)
             approx_values.append(best)
@@ -196,11 +230,13 @@ class FlatBackend(TokenAnnBackend):
     """Exact inner-product search, rebuilt in memory from the stored vectors (nothing written)."""
 
     kind = "flat"
+    index_config = FlatIndexConfig
+    search_config = FlatSearchConfig
     stores_files = False
 
     @classmethod
-    def resolve_params(cls, params: dict[str, Any] | None, n_tokens: int, dim: int) -> dict[str, Any]:
-        cls.check_params(params)
+    def resolve_params(cls, config: IndexConfig, n_tokens: int, dim: int) -> dict[str, Any]:
+        cls.check_config(config)
         return {}
 
     @classmethod
@@ -209,8 +245,8 @@ class FlatBackend(TokenAnnBackend):
 
     def _open_faiss(self, head: str) -> Any:
         directory = self.index.directory
-        return self.new_faiss_index(self.index.embeddings[head], {}, use_gpu=self.settings.use_gpu,
-                                    gpu_device=self.settings.gpu_device,
+        return self.new_faiss_index(self.index.embeddings[head], {}, use_gpu=self.use_gpu,
+                                    gpu_device=self.gpu_device,
                                     what=f"{directory}: the stored vectors of head {head}",
                                     advice="the index is damaged; " + rebuild_hint(directory))
 
@@ -222,22 +258,21 @@ def _largest_divisor_at_most(value: int, limit: int) -> int:
 class IvfBackend(TokenAnnBackend):
     """An inverted file of ``nlist`` k-means lists, ``nprobe`` of them visited per query token; written to disk."""
 
-    accepted_params = frozenset({"nlist", "nprobe", "train_size", "seed"})
-    search_time_params = frozenset({"nprobe"})
+    search_config = IvfSearchConfig
     trained = True
 
     @classmethod
-    def resolve_params(cls, params: dict[str, Any] | None, n_tokens: int, dim: int) -> dict[str, Any]:
+    def resolve_params(cls, config: IndexConfig, n_tokens: int, dim: int) -> dict[str, Any]:
         """Defaults: ``nlist = min(4 sqrt(n_tokens), n_tokens / 39)`` (FAISS wants >= 39 training points per
-        list), ``nprobe = 32`` (a search-time setting), ``train_size = min(n_tokens, max(100 nlist, 65536))``."""
-        params = cls.check_params(params)
+        list), ``train_size = min(n_tokens, max(100 nlist, 65536))``."""
+        params = cls.check_config(config).given()
         nlist = int(params.get("nlist") or max(1, min(int(4 * math.sqrt(n_tokens)), n_tokens // 39)))
         train_size = int(params.get("train_size") or min(n_tokens, max(100 * nlist, 65536)))
-        resolved: dict[str, Any] = {"nlist": nlist, "nprobe": int(params.get("nprobe", 32)),
-                                    "train_size": min(train_size, n_tokens), "seed": int(params.get("seed", 0))}
+        resolved: dict[str, Any] = {"nlist": nlist, "train_size": min(train_size, n_tokens),
+                                    "seed": int(params.get("seed", 0))}
         if resolved["train_size"] < nlist:
-            raise UserError(f"faiss {cls.kind}: nlist={nlist} needs at least {nlist} training tokens, the index has "
-                             f"{n_tokens} tokens and train_size={resolved['train_size']}; lower faiss_params['nlist']")
+            raise UserError(f"backend {cls.kind}: nlist={nlist} needs at least {nlist} training tokens, the index has "
+                             f"{n_tokens} tokens and train_size={resolved['train_size']}; lower nlist")
         return resolved
 
     @classmethod
@@ -264,9 +299,8 @@ class IvfBackend(TokenAnnBackend):
 
         (path,) = self.head_files(self.index.directory, head)
         index = faiss.read_index(str(path))
-        if self.settings.use_gpu:
-            index = _to_gpu(index, self.settings.gpu_device)
-        set_nprobe(index, self.index.faiss_settings["params"]["nprobe"])
+        if self.use_gpu:
+            index = _to_gpu(index, self.gpu_device)
         return index
 
 
@@ -274,6 +308,7 @@ class IvfFlatBackend(IvfBackend):
     """IVF with full fp32 vectors in the lists."""
 
     kind = "ivfflat"
+    index_config = IvfFlatIndexConfig
 
     @classmethod
     def factory(cls, params: dict[str, Any]) -> str:
@@ -284,23 +319,23 @@ class IvfPqBackend(IvfBackend):
     """IVF with product-quantized vectors: ``m`` sub-vectors of ``nbits`` bits each."""
 
     kind = "ivfpq"
-    accepted_params = IvfBackend.accepted_params | {"m", "nbits"}
+    index_config = IvfPqIndexConfig
 
     @classmethod
-    def resolve_params(cls, params: dict[str, Any] | None, n_tokens: int, dim: int) -> dict[str, Any]:
+    def resolve_params(cls, config: IndexConfig, n_tokens: int, dim: int) -> dict[str, Any]:
         """The IVF defaults, plus ``m`` = the largest divisor of D up to 16 (16 bytes per token with ``nbits=8``,
         ColBERT v1's setting) and ``nbits = 8``."""
-        resolved = super().resolve_params(params, n_tokens, dim)
-        params = params or {}
+        resolved = super().resolve_params(config, n_tokens, dim)
+        params = config.given()
         m = int(params.get("m") or _largest_divisor_at_most(dim, 16))
         nbits = int(params.get("nbits", 8))
         if dim % m:
-            raise UserError(f"faiss ivfpq: m={m} must divide the embedding dimension {dim}")
+            raise UserError(f"backend ivfpq: m={m} must divide the embedding dimension {dim}")
         if not 1 <= nbits <= 16:
-            raise UserError(f"faiss ivfpq: nbits must be in 1..16, got {nbits}")
+            raise UserError(f"backend ivfpq: nbits must be in 1..16, got {nbits}")
         if resolved["train_size"] < 2 ** nbits:
-            raise UserError(f"faiss ivfpq: nbits={nbits} needs at least {2 ** nbits} training tokens, got "
-                             f"{resolved['train_size']}; lower faiss_params['nbits']")
+            raise UserError(f"backend ivfpq: nbits={nbits} needs at least {2 ** nbits} training tokens, got "
+                             f"{resolved['train_size']}; lower nbits")
         return {**resolved, "m": m, "nbits": nbits}
 
     @classmethod

@@ -1,0 +1,197 @@
+"""The ``hil`` command: every stage behind one name, in the Lightning convention (YAML, ``--config``,
+``--print_config``).
+
+    hil fit --config colbert --config presets/cpu                  # training: the LightningCLI of train.py
+    hil evaluate --config eval/scifact --model runs/demo/export    # an experiment: datasets x models x settings
+    hil evaluate --model M --dataset scifact --config eval/plaid --print_config
+    hil index --model M --dataset scifact --settings.backend plaid # build (or check and reuse) the index only
+    hil search --model M --dataset scifact --run run.trec           # one model's run, written as a TREC file
+    hil beir | paper | analyze | share | teacher ...                # the experiments and tools
+
+``hil evaluate`` parses an :class:`~hil.evaluation.experiment.Experiment` (datasets, models, evaluation settings
+with the back-end's build-time and search-time settings chosen by ``class_path``, statistics, output) from YAML
+files and options, later ones winning; ``--model`` and ``--dataset`` add one model / dataset each. The recipes in
+``hil/configs/eval/`` are found by name (``--config eval/plaid``). It is run by
+:func:`hil.evaluation.runner.run_experiment`, the engine ``evaluate.py`` and the BEIR command use.
+
+Errors a user can fix are one line, ``error: ...``, exit status 2 (``HIL_DEBUG=1`` keeps the traceback).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import replace
+from typing import Callable, NoReturn
+
+from jsonargparse import ActionConfigFile, ArgumentParser
+
+from hil.data.errors import DEBUG_ENV, UserError, exit_status, one_line
+from hil.evaluation.experiment import DatasetSpec, Experiment, ModelSpec
+from hil.evaluation.evaluate import EvaluationSettings, document_store, place_encoder
+from hil.evaluation.results import format_statistics, format_table
+from hil.evaluation.runs import write_trec_run
+from hil.paths import resolve_config
+
+PROG = "hil"
+DELEGATED = {  # subcommand -> (module, function taking argv): commands with parsers of their own
+    "beir": ("hil.experiments.beir", "main"), "paper": ("hil.experiments.paper", "main"),
+    "analyze": ("hil.analysis.cli", "main"), "share": ("hil.modeling.share", "main"),
+    "teacher": ("hil.experiments.teacher", "main")}
+TRAINING = ("fit", "validate", "test", "predict")
+
+
+class OneLineParser(ArgumentParser):
+    """jsonargparse whose errors are one line naming the option, not a usage screen."""
+
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        if os.environ.get(DEBUG_ENV):
+            super().error(message, ex)
+        sys.stderr.write(f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
+        self.exit(2)
+
+
+def experiment_parser(prog: str) -> ArgumentParser:
+    """An :class:`Experiment` from YAML and options, with ``--model`` / ``--dataset`` shortcuts."""
+    parser = OneLineParser(prog=prog, description=__doc__.split("\n\n")[0], exit_on_error=False)
+    parser.add_argument("--config", action=ActionConfigFile, help="a YAML file or a recipe name (eval/plaid)")
+    parser.add_argument("--model", type=str, default=[], action="append",
+                        help="add a model (a path, a hub id, NAME=PATH); repeatable")
+    parser.add_argument("--dataset", type=str, default=[], action="append",
+                        help="add a dataset (a BEIR name or folder, irds:<id>); repeatable")
+    parser.add_class_arguments(Experiment, nested_key=None, fail_untyped=False,
+                               default={"datasets": [], "models": [], "output": "results/hil-evaluate"})
+    return parser
+
+
+def parse_experiment(argv: list[str], prog: str) -> Experiment:
+    """The experiment ``argv`` describes; with ``--print_config`` it is printed as YAML (``--model`` / ``--dataset``
+    folded into ``models`` / ``datasets``, so that the output given back as ``--config`` is the same experiment) and
+    :class:`SystemExit` (0) ends the command."""
+    argv = [resolve_config(arg) if i and argv[i - 1] == "--config" else arg for i, arg in enumerate(argv)]
+    printing = "--print_config" in argv
+    argv = [arg for arg in argv if arg != "--print_config"]
+    parser = experiment_parser(prog)
+    config = parser.parse_args(argv)
+    for value in config.pop("model") or []:
+        named = "=" in value and not os.path.exists(value)
+        name, _, source = value.partition("=") if named else ("", "", value)
+        config.models = [*config.models, {"source": source, **({"name": name} if name else {})}]
+    config.datasets = [*config.datasets, *({"name": name} for name in config.pop("dataset") or [])]
+    config.pop("config", None)
+    config = parser.parse_object({key: value for key, value in config.as_dict().items()})  # typed again
+    if printing:
+        dumped = config.clone()
+        for shortcut in ("config", "model", "dataset"):  # folded into models / datasets above
+            dumped.pop(shortcut, None)
+        print(parser.dump(dumped, skip_validation=True))
+        raise SystemExit(0)
+    fields = {key: value for key, value in vars(parser.instantiate(config)).items()
+              if key not in ("config", "model", "dataset") and not key.startswith("__")}
+    if not fields["datasets"]:
+        raise UserError("no dataset: give --dataset NAME or datasets in a --config file")
+    return Experiment(**{**fields, "command": {"argv": argv}})
+
+
+def evaluate_command(argv: list[str]) -> int:
+    """Run the experiment (``--print_config``: print it as YAML, jsonargparse's own, and stop)."""
+    from hil.evaluation.runner import run_experiment
+
+    experiment = parse_experiment(argv, f"{PROG} evaluate")
+    for result in run_experiment(experiment):
+        dataset = result.dataset
+        print(f"\n{dataset.name} ({dataset.split}: {len(dataset.queries)} queries, {len(dataset.corpus)} documents)")
+        print(format_table(result.evaluations()))
+        if result.statistics is not None:
+            print("\n" + format_statistics(result.statistics))
+        print(f"wrote {result.metrics_path}")
+    return 0
+
+
+def single(experiment: Experiment, what: str) -> tuple[ModelSpec, DatasetSpec, EvaluationSettings]:
+    if len(experiment.models) != 1 or len(experiment.datasets) != 1:
+        raise UserError(f"{what} takes one --model and one --dataset (got {len(experiment.models)} and "
+                        f"{len(experiment.datasets)})")
+    return experiment.models[0], experiment.datasets[0], experiment.settings
+
+
+def index_command(argv: list[str]) -> int:
+    """Build the index of one model over one dataset's corpus (or check and reuse it); print where it is."""
+    from hil.data.beir import load_beir
+    from hil.evaluation.runner import load_model
+
+    experiment = parse_experiment(argv, f"{PROG} index")
+    model, dataset_spec, settings = single(experiment, "hil index")
+    if settings.index_root is None:
+        raise UserError("hil index writes an index: give --settings.index_root")
+    dataset = load_beir(dataset_spec.name, split=dataset_spec.split, data_dir=experiment.data_dir)
+    encoder = load_model(model, experiment.seed)
+    place_encoder(encoder, settings)
+    index = document_store(encoder, dataset, settings)
+    print(f"{index.directory}: {index.n_docs} documents, {index.n_tokens} tokens, "
+          f"backend {index.backend_settings['kind']} {index.backend_settings['params']}")
+    return 0
+
+
+def search_command(argv: list[str]) -> int:
+    """One model's ranking of one dataset's queries, written as a TREC run (``--output`` is the run file)."""
+    from hil.evaluation.runner import run_experiment
+
+    experiment = parse_experiment(argv, f"{PROG} search")
+    model, _, _ = single(experiment, "hil search")
+    run_file = experiment.output
+    folder = f"{run_file}.parts"
+    (result,) = run_experiment(replace(experiment, output=folder, folders="flat", baseline=False,
+                                       statistics=replace(experiment.statistics, enabled=False)))
+    column = result.columns[-1]
+    from hil.evaluation.runs import read_trec_run
+
+    write_trec_run(run_file, read_trec_run(f"{folder}/{column.name}.trec"), tag=column.name)
+    print(f"wrote {run_file} ({column.name}: nDCG@10 {column.record['metrics'].get('ndcg@10', float('nan')):.4f})")
+    return 0
+
+
+def training(argv: list[str]) -> int:
+    from hil.cli import train_main
+
+    train_main(argv)
+    return 0
+
+
+COMMANDS: dict[str, Callable[[list[str]], int]] = {"evaluate": evaluate_command, "index": index_command,
+                                                   "search": search_command}
+
+
+def usage() -> str:
+    return (f"usage: {PROG} {{{','.join([*TRAINING, *COMMANDS, *DELEGATED])}}} [options]  "
+            f"({PROG} <command> --help for each)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The ``hil`` console script; -> its exit status (2 and one line for a user error)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage() + "\n\n" + __doc__)
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+
+    def dispatch() -> int:
+        if command in TRAINING:
+            return training(argv)
+        if command in DELEGATED:
+            import importlib
+
+            module, function = DELEGATED[command]
+            return int(getattr(importlib.import_module(module), function)(rest) or 0)
+        if command not in COMMANDS:
+            raise UserError(f"unknown command {command!r}; {usage()}")
+        return COMMANDS[command](rest)
+
+    try:
+        return exit_status(f"{PROG} {command}", dispatch)
+    except SystemExit as exit_:  # argparse / LightningCLI / --print_config: the message is already printed
+        return int(exit_.code or 0) if not isinstance(exit_.code, str) else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

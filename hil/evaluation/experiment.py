@@ -1,0 +1,202 @@
+"""What an experiment is: datasets x models under one set of evaluation settings (:mod:`hil.evaluation.runner`
+runs it).
+
+Each entry point (``evaluate.py`` / ``hil evaluate``, ``hil beir``) describes its experiment with these classes; they
+are plain typed settings, selectable from YAML like the rest of the configuration.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from hil.data.errors import UserError
+from hil.evaluation.evaluate import EvaluationSettings, run_name
+from hil.evaluation.statistics import P_ADJUST_METHODS
+from hil.modeling.contracts import Encoder
+from hil.modeling.loading import split_ensemble_source
+
+BASELINE = "bm25"  # the baseline column's name, whether BM25 or a dataset's first-stage run
+EXPORT_FOLDER_NAMES = ("export",)  # train.py --export_dir folders: a column is named after their parent
+
+
+# -- what an experiment is --------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model: where it comes from, what its column is called, and how it is evaluated.
+
+    Args:
+        source: an export folder, a ``.ckpt``, a Stanford / PyLate checkpoint, a backbone (untrained head), a hub id,
+            or ``"iso+aniso"`` (ColBERT-lambda); :func:`hil.modeling.loading.load_encoder`.
+        name: the column (default: the folder or checkpoint name, :func:`column_name`); ``{architecture}`` and
+            ``{mode}`` are filled in once the model is loaded (``evaluate.py`` names it ``{architecture}-{mode}``).
+        transforms: post-hoc transforms, each its own column (``"whitening"``, ``"whitening:k=64"``, ...), named by
+            ``transform_name`` (``{column}``, ``{architecture}``, ``{mode}``, ``{transform}``, ``{transform_mode}``).
+        transform_mode, transform_max_tokens: how the transforms are fitted (token-wise or sequence-wise, sample).
+        idf: ColBERT-HIL's query-term IDF: ``model`` (stored with it) or ``corpus`` (recomputed on each dataset:
+            its documents, or its queries for the authors' formula).
+        dim, query_maxlen, doc_maxlen: an untrained head's settings (a trained model keeps its own; a different
+            value is refused, never ignored).
+    """
+
+    source: str
+    name: str | None = None
+    transforms: tuple[str, ...] = ()
+    transform_name: str = "{column}+{transform}-{transform_mode}"
+    transform_mode: str = "token"
+    transform_max_tokens: int = 200_000
+    idf: str = "model"
+    dim: int | None = None
+    query_maxlen: int | None = None
+    doc_maxlen: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.idf not in ("model", "corpus"):
+            raise UserError(f"idf must be 'model' or 'corpus' (got {self.idf!r})")
+        if self.transform_mode not in ("token", "sequence"):
+            raise UserError(f"transform_mode must be 'token' or 'sequence' (got {self.transform_mode!r})")
+        for key in ("dim", "query_maxlen", "doc_maxlen", "transform_max_tokens"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise UserError(f"{key} must be >= 1 (got {value})")
+
+    @property
+    def column(self) -> str:
+        """The column before the model is loaded (placeholders unfilled): what duplicate names are checked on."""
+        return self.name or column_name(self.source)
+
+    def column_for(self, encoder: Encoder, mode: str) -> str:
+        return run_name(self.column.format(architecture=encoder.architecture, mode=mode))
+
+    def transform_column(self, encoder: Encoder, mode: str, transform: str) -> str:
+        return run_name(self.transform_name.format(column=self.column_for(encoder, mode), mode=mode,
+                                                   architecture=encoder.architecture, transform=transform,
+                                                   transform_mode=self.transform_mode))
+
+    def overrides(self) -> dict[str, int]:
+        """The loader options the user gave (only those: a default is never sent as a request)."""
+        return {key: value for key in ("dim", "query_maxlen", "doc_maxlen")
+                if (value := getattr(self, key)) is not None}
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """One dataset: a BEIR name or folder, ``irds:<id>``, with its split, an optional first-stage run, a slice.
+
+    Args:
+        name: what :func:`hil.data.beir.load_beir` loads.
+        split: the qrels split.
+        first_stage_run: a TREC run file whose documents are re-ranked (TREC DL's ``bm25-top100.trec``); scored as
+            given, it is the baseline column.
+        rerank_depth: candidates per query taken from the baseline (default: 100 of BM25's, all of a run file's).
+        relevance_level: the lowest grade binary metrics count (None: the dataset's own, 1 for BEIR).
+        max_queries, max_docs: a seeded slice (judged documents kept).
+        first_stage_name: the baseline column's name with a run file (default: the file's name without suffix).
+        always_rerank: re-rank the run file's candidates whatever the experiment's mode (a set that ships its
+            first stage, as TREC DL in the BEIR command); else ``full`` becomes ``rerank`` and ``exhaustive`` ranks
+            the candidates exhaustively.
+        key: the folder and table key (default: derived from ``name``).
+    """
+
+    name: str
+    split: str = "test"
+    first_stage_run: str | None = None
+    first_stage_name: str | None = None
+    always_rerank: bool = False
+    rerank_depth: int | None = None
+    relevance_level: int | None = None
+    max_queries: int | None = None
+    max_docs: int | None = None
+    key: str | None = None
+
+    def __post_init__(self) -> None:
+        for option in ("rerank_depth", "relevance_level", "max_queries", "max_docs"):
+            value = getattr(self, option)
+            if value is not None and value < 1:
+                raise UserError(f"{option} must be >= 1 (got {value})")
+
+    @property
+    def folder_key(self) -> str:
+        return self.key or run_name(self.name.removeprefix("irds:").replace("/", "-"))
+
+    @property
+    def baseline_name(self) -> str:
+        if self.first_stage_run is None:
+            return BASELINE
+        return self.first_stage_name or run_name(Path(self.first_stage_run).stem)
+
+
+@dataclass(frozen=True)
+class StatisticsSettings:
+    """Bootstrap intervals and paired tests between columns (:func:`hil.evaluation.results.evaluation_statistics`);
+    ``p_adjust``: the multiple-comparison adjustment (``holm``, ``bh`` or ``none``)."""
+
+    enabled: bool = True
+    metrics: tuple[str, ...] = ("ndcg@10", "mrr@10", "recall@100")
+    bootstrap_samples: int = 1000
+    permutations: int = 10000
+    p_adjust: str = "holm"
+
+    def __post_init__(self) -> None:
+        if self.p_adjust not in P_ADJUST_METHODS:
+            raise UserError(f"p_adjust must be one of {P_ADJUST_METHODS} (got {self.p_adjust!r})")
+        for option in ("bootstrap_samples", "permutations"):
+            if getattr(self, option) < 1:
+                raise UserError(f"{option} must be >= 1 (got {getattr(self, option)})")
+
+
+@dataclass
+class Experiment:
+    """Datasets x models under one :class:`~hil.evaluation.evaluate.EvaluationSettings` (see the module docstring).
+
+    ``baseline``: add the BM25 column (always there when re-ranking needs its candidates, or when a dataset gives
+    a first-stage run). ``folders``: ``per-dataset`` writes ``output/<key>/``; ``flat`` writes the one dataset's
+    files into ``output`` itself. ``idf`` and the slices are per model / dataset. ``command``: what the user ran
+    (recorded with every result). ``seed``: slices and untrained heads.
+    """
+
+    datasets: Sequence[DatasetSpec]
+    models: Sequence[ModelSpec]
+    output: str | Path
+    settings: EvaluationSettings = field(default_factory=EvaluationSettings)
+    statistics: StatisticsSettings = field(default_factory=StatisticsSettings)
+    baseline: bool = True
+    folders: str = "per-dataset"
+    seed: int = 12345
+    data_dir: str | None = None
+    quiet: bool = False
+    command: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.folders not in ("per-dataset", "flat"):
+            raise UserError(f"folders must be 'per-dataset' or 'flat' (got {self.folders!r})")
+        if self.folders == "flat" and len(self.datasets) != 1:
+            raise UserError("folders='flat' writes one dataset's files into the output folder: give one dataset")
+        if not self.datasets:
+            raise UserError("an experiment needs at least one dataset")
+        names = [model.column for model in self.models]
+        for name in names:
+            if name.lower() == BASELINE:
+                raise UserError(f"model column {name!r} is the baseline's name; name the model otherwise")
+            if names.count(name) > 1:
+                raise UserError(f"two models are named {name!r}; give them names")
+
+    def log(self, message: str) -> None:
+        if not self.quiet:
+            print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def column_name(source: str) -> str:
+    """A model's column when not named: its folder's (or checkpoint's) name; an export folder's parent's."""
+    members = split_ensemble_source(source)
+    if members is not None:
+        return run_name("+".join(column_name(member) for member in members))
+    path = Path(str(source).rstrip("/"))
+    name = path.stem if path.suffix == ".ckpt" else path.name
+    if name in EXPORT_FOLDER_NAMES and path.parent.name:
+        name = path.parent.name
+    return run_name(name)

@@ -1,0 +1,358 @@
+"""One experiment runner: datasets x models x settings -> columns of results on disk, resumed by recorded identity.
+
+An :class:`Experiment` says what to measure; :func:`run_experiment` measures it and writes, per dataset::
+
+    <column>.json     identity, dataset, model (source, fingerprint, settings), metrics, per-query metrics, and
+                      the details of the search as it ran (the back-end's build-time settings read back from the
+                      index, the search-time settings read back from the back-end)
+    <column>.trec     the run
+    metrics.json      every column's metrics and details, the statistics (bootstrap intervals, paired tests with
+                      multiple-comparison adjustment), the settings, versions; ``per_query.json`` beside it
+
+Columns: the baseline (BM25, or the dataset's first-stage run file scored as given), then each model, then each
+model under each post-hoc transform. Re-ranking takes its candidates from the baseline. A column whose
+``<column>.json`` records the same identity -- dataset fingerprint and slice, model fingerprint, and the settings
+that change the numbers (:func:`column_identity`) -- is kept; any other is recomputed. Device, processes, batch
+sizes and folders change how fast, not what, and are not part of an identity.
+
+Every entry point describes its experiment and calls this: ``evaluate.py`` / ``hil evaluate`` (one dataset, in
+``output`` itself), ``hil beir`` (:mod:`hil.experiments.beir`: every BEIR set, ``output/<dataset>/``). Statistics
+compare every column with the baseline, and each transform with its plain model: one family per reference run
+and metric for the p-value adjustment (:data:`hil.evaluation.results.PAIRED_FAMILY`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+from hil.data.beir import BeirDataset, load_beir
+from hil.data.errors import UserError
+from hil.evaluation.evaluate import (Evaluation, EvaluationSettings, evaluate, evaluate_bm25, evaluate_run_file,
+                                     evaluate_transformed, first_stage, subset_with_first_stage)
+from hil.evaluation.experiment import (BASELINE, DatasetSpec, Experiment, ModelSpec, StatisticsSettings,
+                                       column_name)
+from hil.evaluation.results import dataset_record, evaluation_statistics, write_results
+from hil.evaluation.runs import write_trec_run
+from hil.modeling.contracts import Encoder
+from hil.modeling.hil import HILEncoder
+from hil.modeling.loading import load_encoder, split_ensemble_source
+from hil.provenance import fingerprint_strings, provenance, write_json_atomic
+from hil.retrieval.index import encoder_fingerprint
+
+logger = logging.getLogger(__name__)
+
+# The experiment's settings classes are re-exported: an entry point imports what it needs from here.
+__all__ = ["BASELINE", "Column", "DatasetResult", "DatasetSpec", "Experiment", "ModelSpec", "StatisticsSettings",
+           "column_name", "run_experiment"]
+
+
+
+# -- identities: what a column's numbers depend on ----------------------------------------------------------------
+
+def normalized(value: Any) -> Any:
+    """``value`` as it reads back from JSON (tuples become lists), so that identities compare."""
+    return json.loads(json.dumps(value, default=str))
+
+
+def differences(old: Any, new: Any, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two identities."""
+    if not isinstance(old, dict) or not isinstance(new, dict):
+        return [prefix.rstrip(".") or "identity"] if old != new else []
+    return [key for name in sorted(set(old) | set(new))
+            for key in differences(old.get(name), new.get(name), f"{prefix}{name}.")]
+
+
+def dataset_identity(dataset: BeirDataset, spec: DatasetSpec, seed: int) -> dict[str, Any]:
+    return {"name": dataset.name, "split": dataset.split, "fingerprint": dataset.fingerprint(),
+            "relevance_level": dataset.relevance_level, "judged_outside_corpus": dataset.judged_outside_corpus,
+            "slice": {"max_queries": spec.max_queries, "max_docs": spec.max_docs,
+                      "seed": seed if spec.max_queries or spec.max_docs else None}}
+
+
+def baseline_identity(run_file: Path | None, settings: EvaluationSettings, depth: int) -> dict[str, Any]:
+    """The baseline column: a run file's content, or BM25 and its depth."""
+    if run_file is not None:
+        return {"run_file": run_file.name, "fingerprint": fingerprint_strings(run_file.read_text().splitlines())}
+    return {"bm25": "hil.data.bm25", "k": max(settings.k, depth)}
+
+
+def run_file_of(path: str, dataset: BeirDataset) -> Path:
+    """A first-stage run file: the path as given, else, for a relative path that is not there, the file of that
+    name in the dataset's own folder (``bm25-top100.trec`` of ``msmarco/dl19``)."""
+    given = Path(path).expanduser()
+    beside = Path(dataset.source) / path
+    if not given.exists() and not given.is_absolute() and beside.is_file():
+        return beside
+    return given
+
+
+def evaluation_identity(settings: EvaluationSettings, baseline: dict[str, Any], depth: int) -> dict[str, Any]:
+    """The settings that change a model's numbers: mode, k, metrics, self-match rule, precision and document
+    encoding; full ranking adds the back-end's build-time and search-time settings, re-ranking the first stage."""
+    identity: dict[str, Any] = {"mode": settings.mode, "k": settings.k, "metrics": list(settings.metrics),
+                                "drop_self_matches": settings.drop_self_matches, "precision": settings.precision,
+                                "document_encoding": settings.document_encoding}
+    if settings.mode == "full":
+        identity.update(backend=settings.backend.record(), search=settings.resolved_search.record())
+    if settings.mode == "rerank" or baseline.get("run_file"):
+        identity.update(rerank_depth=depth, first_stage=baseline)
+    return identity
+
+
+# -- the columns of one dataset -------------------------------------------------------------------------------
+
+@dataclass
+class Column:
+    """A finished column: its record (as on disk) and, when computed in this run, its evaluation."""
+
+    name: str
+    record: dict[str, Any]
+    evaluation: Evaluation | None = None
+
+    def as_evaluation(self) -> Evaluation:
+        """The evaluation, or one rebuilt from the record (per-query metrics; the run stays in its .trec file)."""
+        if self.evaluation is not None:
+            return self.evaluation
+        return Evaluation(self.name, {}, self.record["metrics"], self.record["per_query"],
+                          self.record.get("details", {}))
+
+
+class DatasetRun:
+    """One dataset of an experiment: loads it, computes or keeps each column, writes its files."""
+
+    def __init__(self, experiment: Experiment, spec: DatasetSpec):
+        self.experiment, self.spec = experiment, spec
+        self.folder = Path(experiment.output) if experiment.folders == "flat" else \
+            Path(experiment.output) / spec.folder_key
+        settings = experiment.settings
+        if spec.first_stage_run is not None and (spec.always_rerank or settings.mode == "full"):
+            settings = replace(settings, mode="rerank")  # a given first stage is re-ranked
+        self.settings = settings
+        self.run_file: Path | None = None
+        self.dataset, self.first, self.candidates = self._load()
+        self.depth = spec.rerank_depth or (self.first.details["depth"] if self.first is not None
+                                          else settings.rerank_depth)
+        self.identity = dataset_identity(self.dataset, spec, experiment.seed)
+        self.baseline_id = baseline_identity(self.run_file, settings, self.depth)
+
+    def _load(self) -> tuple[BeirDataset, Evaluation | None, dict[str, list[str]] | None]:
+        spec, experiment = self.spec, self.experiment
+        dataset = load_beir(spec.name, split=spec.split, data_dir=experiment.data_dir, judged_outside_corpus="keep",
+                            relevance_level=spec.relevance_level)
+        first = None
+        if spec.first_stage_run is not None:  # checked against the whole dataset, then sliced with it
+            self.run_file = run_file_of(spec.first_stage_run, dataset)
+            first = evaluate_run_file(self.run_file, dataset, name=spec.baseline_name,
+                                      drop_self_matches=self.settings.drop_self_matches)
+            first.details["rerank_depth"] = spec.rerank_depth or first.details["depth"]
+        dataset, first, candidates = subset_with_first_stage(
+            dataset, first, spec.max_queries, spec.max_docs, seed=experiment.seed, depth=spec.rerank_depth,
+            drop_self_matches=self.settings.drop_self_matches)
+        if first is not None and len(first.run) < len(dataset.queries):
+            logger.warning("%s: %d of %d judged queries have no document in the run (they score 0)",
+                           spec.first_stage_run, len(dataset.queries) - len(first.run), len(dataset.queries))
+        return dataset, first, candidates
+
+    # -- records -------------------------------------------------------------------------------------------------
+    def finished(self, name: str, identity: dict[str, Any]) -> dict[str, Any] | None:
+        """The record of column ``name`` when it was made with ``identity``, else None (saying why it is redone)."""
+        path = self.folder / f"{name}.json"
+        if not path.is_file():
+            return None
+        try:
+            record = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            self.experiment.log(f"{path}: unreadable, recomputed")
+            return None
+        changed = differences(record.get("identity"), normalized(identity))
+        if changed:
+            self.experiment.log(f"{path}: made with other settings ({', '.join(changed[:4])}), recomputed")
+            return None
+        return record
+
+    def save(self, name: str, evaluation: Evaluation, identity: dict[str, Any], model: dict[str, Any]) -> Column:
+        """The run, then the column's record (its presence marks the column finished), both atomically."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        write_trec_run(self.folder / f"{name}.trec", evaluation.run, tag=name)
+        record = provenance(self.experiment.command, identity=normalized(identity),
+                            dataset=dataset_record(self.dataset), model=model, metrics=evaluation.aggregate,
+                            per_query=evaluation.per_query,
+                            details={k: v for k, v in evaluation.details.items() if k != "sources"})
+        write_json_atomic(self.folder / f"{name}.json", record)
+        return Column(name, normalized(record), evaluation)
+
+    # -- columns -------------------------------------------------------------------------------------------------
+    def baseline(self) -> Column | None:
+        """The baseline column (kept or computed), and the re-ranking candidates taken from it."""
+        settings = self.settings
+        if not (self.experiment.baseline or self.first is not None or settings.mode == "rerank"):
+            return None
+        identity = {"dataset": self.identity, "column": self.baseline_id,
+                    "evaluation": {"metrics": list(settings.metrics),
+                                   "drop_self_matches": settings.drop_self_matches}}
+        name = self.spec.baseline_name
+        record = self.finished(name, identity)
+        if record is not None and self.first is None and settings.mode == "rerank":
+            record = None  # BM25's candidates are needed: recompute the (cheap) run instead of re-reading it
+        if record is not None:
+            return Column(name, record)
+        evaluation = self.first or evaluate_bm25(self.dataset, k=max(settings.k, self.depth),
+                                                 metrics=settings.metrics,
+                                                 drop_self_matches=settings.drop_self_matches)
+        if self.candidates is None and settings.mode == "rerank":
+            self.candidates = first_stage(evaluation, self.depth)
+        return self.save(name, evaluation, identity, {"name": name, **self.baseline_id})
+
+    def model_columns(self, spec: ModelSpec, encoder: Encoder) -> Iterator[Column]:
+        """The model's column, then one per transform: each kept when finished with the same identity."""
+        settings, experiment = self.settings, self.experiment
+        if spec.idf == "corpus":
+            set_corpus_idf(encoder, self.dataset, spec.source)
+        fingerprint = encoder_fingerprint(encoder)
+        evaluation_id = evaluation_identity(settings, self.baseline_id, self.depth)
+        column = spec.column_for(encoder, settings.mode)
+        model = {"name": column, "source": spec.source, "fingerprint": fingerprint,
+                 "architecture": encoder.architecture, "settings": encoder.settings(), "idf": spec.idf}
+        identity = {"dataset": self.identity, "column": {"fingerprint": fingerprint}, "evaluation": evaluation_id}
+        record = self.finished(column, identity)
+        if record is None:
+            experiment.log(f"evaluate {column} on {self.dataset.name} ({len(self.dataset.queries)} queries, "
+                           f"{len(self.dataset.corpus)} documents, {settings.mode})")
+            with torch.inference_mode():
+                evaluation = evaluate(encoder, self.dataset, settings, name=column, candidates=self._candidates())
+            yield self.save(column, evaluation, identity, model)
+        else:
+            yield Column(column, record)
+        for transform in spec.transforms:
+            name = spec.transform_column(encoder, settings.mode, transform)
+            fitted = {"transform": transform, "mode": spec.transform_mode, "max_tokens": spec.transform_max_tokens,
+                      "seed": experiment.seed}
+            transform_id = {**identity, "column": {"fingerprint": fingerprint, "transform": fitted}}
+            record = self.finished(name, transform_id)
+            if record is not None:
+                yield Column(name, record)
+                continue
+            experiment.log(f"evaluate {name} on {self.dataset.name}")
+            with torch.inference_mode():
+                evaluation, transformed = evaluate_transformed(
+                    encoder, self.dataset, transform, settings, transform_mode=spec.transform_mode,
+                    max_tokens=spec.transform_max_tokens, seed=experiment.seed, name=name,
+                    candidates=self._candidates())
+            yield self.save(name, evaluation, transform_id, {**model, "name": name, "transform": fitted,
+                                                             "settings": transformed.settings(),
+                                                             "fingerprint": encoder_fingerprint(transformed)})
+
+    def _candidates(self) -> dict[str, list[str]] | None:
+        return self.candidates if self.settings.mode != "full" else None
+
+
+def set_corpus_idf(encoder: Encoder, dataset: BeirDataset, source: str) -> None:
+    """ColBERT-HIL's query-term IDF recomputed on ``dataset``: its queries for the authors' formula (taken over the
+    target dataset's queries), else its documents."""
+    if not isinstance(encoder, HILEncoder):
+        raise UserError(f"--idf corpus needs a model with IDF weights (ColBERT-HIL); {source} is "
+                        f"{encoder.architecture}")
+    if encoder.idf_from_queries:
+        encoder.set_idf_from_texts(list(dataset.queries.values()), source=f"{dataset.name} queries ({dataset.split})")
+    else:
+        encoder.set_idf_from_texts(dataset.documents(), source=f"{dataset.name} corpus ({dataset.split})")
+
+
+def load_model(spec: ModelSpec, seed: int) -> Encoder:
+    """:func:`~hil.modeling.loading.load_encoder` with the options given (an untrained head seeded with ``seed``,
+    so that a rerun has the same fingerprint); a model that cannot be read is a :class:`UserError` naming
+    ``--model``."""
+    torch.manual_seed(seed)
+    if split_ensemble_source(spec.source) is not None and spec.overrides():
+        raise UserError(f"--model {spec.source}: an ensemble's members keep their own settings; "
+                        f"{sorted(spec.overrides())} given")
+    try:
+        return load_encoder(spec.source, **spec.overrides())
+    except (UserError, OSError) as error:
+        message = str(error)
+        raise UserError(message if message.startswith("--model") else f"--model {spec.source}: {message}") \
+            from error
+
+
+# -- the experiment ---------------------------------------------------------------------------------------------
+
+@dataclass
+class DatasetResult:
+    """One dataset's columns (baseline first) and statistics, and where they were written."""
+
+    key: str
+    dataset: BeirDataset
+    columns: list[Column]
+    statistics: dict[str, Any] | None
+    metrics_path: Path
+
+    def evaluations(self) -> list[Evaluation]:
+        return [column.as_evaluation() for column in self.columns]
+
+
+def paired_comparisons(columns: Sequence[Column], baseline: str | None,
+                       transforms_of: dict[str, str]) -> list[tuple[str, str]]:
+    """Every model column against the baseline, and each transform column against its plain model."""
+    names = [column.name for column in columns if column.name != baseline]
+    pairs = [(name, baseline) for name in names if baseline is not None]
+    return pairs + [(name, plain) for name, plain in transforms_of.items() if name in names]
+
+
+def run_experiment(experiment: Experiment,
+                   on_dataset: Callable[[DatasetResult], None] | None = None) -> list[DatasetResult]:
+    """Measure ``experiment`` (see the module docstring); -> each dataset's result, in order. Models are loaded once
+    (before any dataset, so that a model that cannot be read fails first); ``on_dataset`` sees each dataset's result
+    as it is finished."""
+    encoders = {spec.column: load_model(spec, experiment.seed) for spec in experiment.models}
+    results = []
+    for spec in experiment.datasets:
+        part = DatasetRun(experiment, spec)
+        columns = []
+        baseline = part.baseline()
+        if baseline is not None:
+            columns.append(baseline)
+        transforms_of: dict[str, str] = {}
+        for model in experiment.models:
+            plain = model.column_for(encoders[model.column], part.settings.mode)
+            for column in part.model_columns(model, encoders[model.column]):
+                if any(column.name == seen.name for seen in columns):
+                    raise UserError(f"two columns are named {column.name!r} on {spec.name}; name the models")
+                columns.append(column)
+                if column.name != plain:
+                    transforms_of[column.name] = plain
+        result = finish_dataset(experiment, part, columns, baseline.name if baseline else None, transforms_of)
+        results.append(result)
+        if on_dataset is not None:
+            on_dataset(result)
+    return results
+
+
+def finish_dataset(experiment: Experiment, part: DatasetRun, columns: list[Column], baseline: str | None,
+                   transforms_of: dict[str, str]) -> DatasetResult:
+    """Statistics over the dataset's columns and its ``metrics.json`` / ``per_query.json``."""
+    evaluations = [column.as_evaluation() for column in columns]
+    statistics = None
+    stats = experiment.statistics
+    if stats.enabled and evaluations:
+        statistics = evaluation_statistics(evaluations, metrics=stats.metrics,
+                                           pairs=paired_comparisons(columns, baseline, transforms_of),
+                                           n_bootstrap=stats.bootstrap_samples, n_permutations=stats.permutations,
+                                           seed=experiment.seed, p_adjust=stats.p_adjust)
+    models = {column.name: column.record.get("model", {}) for column in columns if column.name != baseline}
+    settings = {**experiment.command, "evaluation": settings_record(part.settings),
+                "statistics": asdict(stats), "dataset_spec": asdict(part.spec), "identity": part.identity}
+    path = write_results(part.folder, part.dataset, evaluations, settings, models, statistics=statistics,
+                         write_runs=False)
+    return DatasetResult(part.spec.folder_key, part.dataset, columns, statistics, path)
+
+
+def settings_record(settings: EvaluationSettings) -> dict[str, Any]:
+    """The evaluation settings as a results file records them (back-end and search as ``class_path`` records)."""
+    record = {key: value for key, value in asdict(settings).items() if key not in ("backend", "search")}
+    return normalized({**record, "backend": settings.backend.record(), "search": settings.resolved_search.record()})

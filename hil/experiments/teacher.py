@@ -1,0 +1,319 @@
+"""``python -m hil.experiments.teacher``: make distillation data here -- mine each query's candidates, score them
+with a teacher, write an n-way examples file that the training readers take (``hil.data.nway_files``).
+
+    python -m hil.experiments.teacher --dataset scifact --split train --teacher cross-encoder/ms-marco-MiniLM-L-6-v2 \\
+        --output data/scifact-train.ce.jsonl
+    python -m hil.experiments.teacher --queries msmarco/queries.dev.small.tsv --collection collection.tsv \\
+        --miner bm25 --depth 100 --nway 32 --teacher all-MiniLM-L6-v2 --teacher-kind dense --output dev.jsonl
+    python -m hil.experiments.teacher --dataset scifact --split train --miner runs/colbert/export \\
+        --teacher runs/colbert/export --positives first --output scifact.self.jsonl
+
+Steps. (1) The queries (``qid TAB text``, or a BEIR dataset's queries judged in ``--split``) and the collection
+(``pid TAB text``, or the dataset's corpus: ``title text``); documents with an empty text are left out, and with a
+BEIR dataset a document whose id is the query's is never its candidate (BEIR's ``ignore_identical_ids``). (2) Each
+query's ``--depth`` best candidates from the miner: ``bm25`` (:mod:`hil.data.bm25`, Pyserini's settings) or any
+``hil`` model, by exact late interaction over the whole collection held in memory, or through an index built under
+``--index-root`` (full ranking, :func:`hil.retrieval.search.full_rank`). (3) With ``--positives first`` (needs
+qrels: ``--qrels`` or the dataset's), each query's judged positive -- the highest grade >= ``--relevance-level``,
+then the best mined, then the smallest id -- joins the candidates when the miner missed it. (4) The teacher scores
+every candidate (:mod:`hil.experiments.teacher_models`: ``colbert`` for any model hil loads, ``cross-encoder``,
+``dense``). (5) Each query's line holds its ``--nway`` best candidates by teacher score (ties: the miner's order),
+best first; with ``--positives first``, the positive first and the ``--nway - 1`` best of the candidates not judged
+positive after it (ColBERTv2's examples are positive-first). A query with fewer candidates than that is left out
+(counted in the sidecar).
+
+Output (each file written atomically, all or none): ``--output`` in ``--format`` ``colbert`` (ColBERTv2's
+``[qid, [pid, score], ...]``, ids written as JSON integers where they are canonical integers, as Stanford's files
+hold them), ``pylate`` (``{"query_id", "document_ids", "scores"}``) or ``trec`` (a run; one query's lines
+together); with a BEIR dataset also ``<output stem>.queries.tsv`` and ``<output stem>.collection.tsv`` (the texts of
+the ids written, line breaks as spaces), which the readers need; and ``<output>.meta.json``: settings, miner,
+teacher, counts, files, versions.
+
+A user error (an option, a file, a line, a model) is one line, ``<prog>: error: ...``, exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers.utils import logging as transformers_logging
+
+from hil.data.beir import BeirDataset, load_beir, load_collection_tsv, load_topics_tsv
+from hil.data.bm25 import BM25Index
+from hil.data.errors import MissingInputError, OneLineArgumentParser, UserError, exit_status
+from hil.data.id_texts import integer_id
+from hil.data.run_examples import read_qrels
+from hil.evaluation.evaluate import EvaluationSettings, document_store
+from hil.evaluation.runs import ranked
+from hil.experiments.teacher_models import KINDS, Teacher, load_teacher
+from hil.modeling.loading import load_encoder
+from hil.paths import resolve_data_file
+from hil.provenance import atomic_output, provenance
+from hil.retrieval.devices import resolve_device
+from hil.retrieval.search import exact_rank, full_rank
+
+PROG = "python -m hil.experiments.teacher"
+FORMATS = ("colbert", "pylate", "trec")
+POSITIVE_OPTIONS = ("depth", "batch_size", "max_queries", "max_length", "relevance_level")
+_LINE_BREAKS = str.maketrans({"\n": " ", "\r": " "})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    summary, _, details = __doc__.partition("\n\n")
+    parser = OneLineArgumentParser(prog=PROG, description=summary, epilog=details,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--queries", help="qid TAB text (a path, or relative to HIL_DATA_DIR)")
+    parser.add_argument("--collection", help="pid TAB text (with --queries)")
+    parser.add_argument("--dataset", help="a BEIR dataset name or folder instead of --queries/--collection")
+    parser.add_argument("--split", default="train", help="the BEIR split whose judged queries are used")
+    parser.add_argument("--data-dir", default=None, help="overrides HIL_DATA_DIR")
+    parser.add_argument("--qrels", help="judgments for --positives first (BEIR TSV or TREC qrels; with --queries)")
+    parser.add_argument("--positives", choices=("none", "first"), default="none",
+                        help="first: each query's judged positive leads its line (default none: the teacher ranks)")
+    parser.add_argument("--relevance-level", type=int, default=1, help="the least grade that is a positive")
+    parser.add_argument("--miner", default="bm25", help="bm25, or a model hil loads")
+    parser.add_argument("--index-root", default=None,
+                        help="a model miner searches an index built here (default: exact, in memory)")
+    parser.add_argument("--depth", type=int, default=100, help="candidates mined per query")
+    parser.add_argument("--nway", type=int, default=32, help="documents written per query")
+    parser.add_argument("--teacher", required=True, help="a model hil loads, or a Hugging Face model")
+    parser.add_argument("--teacher-kind", choices=KINDS, default="auto")
+    parser.add_argument("--batch-size", type=int, default=32, help="pairs (or texts) per teacher forward pass")
+    parser.add_argument("--max-length", type=int, default=None, help="tokens per pair or text (Hugging Face teachers)")
+    parser.add_argument("--max-queries", type=int, default=None, help="only the first N queries")
+    parser.add_argument("--format", choices=FORMATS, default="colbert")
+    parser.add_argument("--output", required=True, help="the examples file to write")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    return parser
+
+
+def check_arguments(args: argparse.Namespace) -> torch.device:
+    """Refuse options that cannot work, naming them; -> the device."""
+    for option in POSITIVE_OPTIONS:
+        value = getattr(args, option)
+        if value is not None and value < 1:
+            raise UserError(f"--{option.replace('_', '-')} must be >= 1 (got {value})")
+    if args.nway < 2:
+        raise UserError(f"--nway must be >= 2 (got {args.nway})")
+    if args.nway > args.depth + (args.positives == "first"):
+        raise UserError(f"--nway {args.nway} is more than the --depth {args.depth} candidates mined")
+    if (args.dataset is None) == (args.queries is None):
+        raise UserError("give --dataset, or --queries with --collection")
+    if args.queries is not None and args.collection is None:
+        raise UserError("--queries needs --collection")
+    if args.dataset is not None and (args.collection or args.qrels):
+        raise UserError("--dataset brings its corpus and qrels: --collection and --qrels go with --queries")
+    if args.positives == "first" and args.dataset is None and args.qrels is None:
+        raise UserError("--positives first needs judgments: --qrels (or a --dataset's)")
+    try:
+        return resolve_device(args.device)
+    except ValueError as error:
+        raise UserError(f"--device: {error}") from None
+
+
+@dataclass
+class Inputs:
+    """Texts by id, the judgments (or None), and what they were read from."""
+
+    name: str
+    queries: dict[str, str]
+    documents: dict[str, str]
+    qrels: dict[str, dict[str, int]] | None
+    sources: dict[str, str]
+    is_beir: bool
+    empty_documents: int
+
+
+def _file(option: str, value: str, data_dir: str | None) -> Path:
+    try:
+        return resolve_data_file(value, data_dir)
+    except FileNotFoundError as error:
+        raise MissingInputError(f"--{option}: {error}") from None
+
+
+def load_inputs(args: argparse.Namespace) -> Inputs:
+    if args.dataset is not None:
+        dataset = load_beir(args.dataset, split=args.split, data_dir=args.data_dir, judged_outside_corpus="keep")
+        queries, texts = dataset.queries, {pid: dataset.doc_text(pid) for pid in dataset.corpus}
+        qrels, sources = dataset.qrels, {"dataset": dataset.source, "split": args.split}
+        name = dataset.name
+    else:
+        query_path, collection_path = _file("queries", args.queries, args.data_dir), _file("collection",
+                                                                                           args.collection,
+                                                                                           args.data_dir)
+        queries = load_topics_tsv(query_path)
+        texts = {pid: doc["text"] for pid, doc in load_collection_tsv(collection_path).items()}
+        qrels = read_qrels(_file("qrels", args.qrels, args.data_dir)) if args.qrels else None
+        sources = {"queries": str(query_path), "collection": str(collection_path)}
+        if args.qrels:
+            sources["qrels"] = str(_file("qrels", args.qrels, args.data_dir))
+        name = collection_path.stem
+    if args.max_queries is not None:
+        queries = dict(list(queries.items())[: args.max_queries])
+    documents = {pid: text for pid, text in texts.items() if text.strip()}
+    return Inputs(name, queries, documents, qrels, sources, args.dataset is not None, len(texts) - len(documents))
+
+
+# -- mining --------------------------------------------------------------------------------------------------------
+
+def mine(args: argparse.Namespace, inputs: Inputs, device: torch.device) -> tuple[dict[str, list[str]], dict]:
+    """Each query's ``--depth`` best candidates, best first, and what mined them."""
+    depth = args.depth + (1 if inputs.is_beir else 0)  # room for a self match dropped below
+    qids = list(inputs.queries)
+    if args.miner == "bm25":
+        index = BM25Index.build(list(inputs.documents), list(inputs.documents.values()))
+        hits = index.search([inputs.queries[qid] for qid in qids], depth)
+        mined = {qid: [pid for pid, _ in found] for qid, found in zip(qids, hits)}
+        record: dict[str, Any] = {"miner": "bm25", **index.settings()}
+    else:
+        encoder = load_encoder(args.miner)
+        encoder.to(device)
+        corpus = {pid: {"title": "", "text": text} for pid, text in inputs.documents.items()}
+        dataset = BeirDataset(inputs.name, corpus, inputs.queries, {}, "teacher", inputs.sources.get("dataset", ""))
+        settings = EvaluationSettings(mode="full" if args.index_root else "exhaustive", k=depth,
+                                      index_root=args.index_root, batch_size=args.batch_size, device=args.device,
+                                      progress=not args.quiet)
+        with torch.inference_mode():
+            store = document_store(encoder, dataset, settings)
+            search = full_rank if args.index_root else exact_rank
+            run = search(encoder, store, inputs.queries, k=depth, progress=not args.quiet).run
+        mined = {qid: [pid for pid, _ in ranked(run.get(qid, {}))] for qid in qids}
+        record = {"miner": args.miner, "architecture": encoder.architecture,
+                  "search": "full ranking (index)" if args.index_root else "exact, in memory"}
+    if inputs.is_beir:
+        mined = {qid: [pid for pid in docs if pid != qid] for qid, docs in mined.items()}
+    return {qid: docs[: args.depth] for qid, docs in mined.items()}, record
+
+
+def judged_positive(qid: str, mined: list[str], inputs: Inputs, level: int) -> str | None:
+    """The query's positive: highest grade >= ``level``, then best mined, then smallest id; None without one."""
+    rank = {pid: i for i, pid in enumerate(mined)}
+    judged = [(-grade, rank.get(pid, len(rank)), pid) for pid, grade in (inputs.qrels or {}).get(qid, {}).items()
+              if grade >= level and pid in inputs.documents and pid != (qid if inputs.is_beir else None)]
+    return min(judged)[2] if judged else None
+
+
+# -- the examples ----------------------------------------------------------------------------------------------------
+
+def select(qid: str, candidates: list[str], scores: list[float], positive: str | None, nway: int,
+           inputs: Inputs, level: int) -> list[tuple[str, float]] | None:
+    """The query's line: ``nway`` (pid, score) by teacher score, ties in the miner's order; the positive first and
+    no other judged positive after it with ``positive``; None when there are too few."""
+    order = sorted(range(len(candidates)), key=lambda i: -scores[i])  # stable: ties keep the miner's order
+    pairs = [(candidates[i], float(scores[i])) for i in order]
+    if positive is None:
+        return pairs[:nway] if len(pairs) >= nway else None
+    judged = (inputs.qrels or {}).get(qid, {})
+    first = [pair for pair in pairs if pair[0] == positive]
+    others = [pair for pair in pairs if judged.get(pair[0], 0) < level]
+    return first + others[: nway - 1] if len(others) >= nway - 1 else None
+
+
+def _json_id(identifier: str) -> str | int:
+    """Stanford's files hold integer ids as JSON integers."""
+    value = integer_id(identifier)
+    return value if value is not None else identifier
+
+
+def example_line(fmt: str, qid: str, pairs: list[tuple[str, float]]) -> str:
+    if fmt == "colbert":
+        return json.dumps([_json_id(qid), *([_json_id(pid), score] for pid, score in pairs)]) + "\n"
+    if fmt == "pylate":
+        return json.dumps({"query_id": qid, "document_ids": [p for p, _ in pairs],
+                           "scores": [s for _, s in pairs]}) + "\n"
+    return "".join(f"{qid} Q0 {pid} {rank} {score!r} teacher\n" for rank, (pid, score) in enumerate(pairs, 1))
+
+
+def write_outputs(args: argparse.Namespace, inputs: Inputs, lines: dict[str, list[tuple[str, float]]],
+                  record: dict[str, Any]) -> dict[str, str]:
+    """Every output through :func:`atomic_output`, renamed into place together at the end (an error leaves none)."""
+    output = Path(args.output)
+    files = {"examples": output}
+    if inputs.is_beir:
+        files["queries"] = output.with_name(f"{output.stem}.queries.tsv")
+        files["collection"] = output.with_name(f"{output.stem}.collection.tsv")
+    files["meta"] = output.with_name(f"{output.name}.meta.json")
+    record["files"] = {name: str(path) for name, path in files.items()}
+    with ExitStack() as stack:
+        handles = {name: stack.enter_context(open(stack.enter_context(atomic_output(path)), "w", encoding="utf-8",
+                                                  newline="\n")) for name, path in files.items()}
+        for qid, pairs in lines.items():
+            handles["examples"].write(example_line(args.format, qid, pairs))
+        if inputs.is_beir:
+            for qid in lines:
+                handles["queries"].write(f"{qid}\t{inputs.queries[qid].translate(_LINE_BREAKS)}\n")
+            for pid in dict.fromkeys(pid for pairs in lines.values() for pid, _ in pairs):
+                handles["collection"].write(f"{pid}\t{inputs.documents[pid].translate(_LINE_BREAKS)}\n")
+        json.dump(record, handles["meta"], indent=2, default=str)
+        handles["meta"].write("\n")
+        for handle in handles.values():
+            handle.close()  # flushed before the renames
+    return record["files"]
+
+
+def settings_record(args: argparse.Namespace) -> dict[str, Any]:
+    names = ("queries", "collection", "dataset", "split", "qrels", "positives", "relevance_level", "miner",
+             "index_root", "depth", "nway", "teacher", "teacher_kind", "batch_size", "max_length", "max_queries",
+             "format", "output", "device")
+    return {name: getattr(args, name) for name in names}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    device = check_arguments(args)
+    inputs = load_inputs(args)
+    if not inputs.queries:
+        raise UserError("no queries to mine for")
+    teacher: Teacher = load_teacher(args.teacher, args.teacher_kind, device, args.batch_size, args.max_length,
+                                    not args.quiet)  # before mining: a wrong teacher fails fast
+    mined, miner = mine(args, inputs, device)
+    level, candidates, positives = args.relevance_level, {}, {}
+    for qid, docs in mined.items():
+        positive = judged_positive(qid, docs, inputs, level) if args.positives == "first" else None
+        positives[qid] = positive
+        candidates[qid] = docs + ([positive] if positive is not None and positive not in docs else [])
+    scored = [qid for qid in inputs.queries if candidates[qid] and (args.positives == "none" or positives[qid])]
+    scores = teacher.score({qid: inputs.queries[qid] for qid in scored}, {qid: candidates[qid] for qid in scored},
+                           inputs.documents)
+    lines = {}
+    for qid in scored:
+        line = select(qid, candidates[qid], scores[qid], positives[qid], args.nway, inputs, level)
+        if line is not None:
+            lines[qid] = line
+    if not lines:
+        raise UserError(f"no query has {args.nway} candidates{' and a judged positive' * (args.positives == 'first')}"
+                        f" (lower --nway, or raise --depth)")
+    counts = {"queries": len(inputs.queries), "written": len(lines), "left_out": len(inputs.queries) - len(lines),
+              "without_positive": sum(p is None for p in positives.values()) if args.positives == "first" else 0,
+              "empty_documents_left_out": inputs.empty_documents,
+              "mean_candidates": float(np.mean([len(c) for c in candidates.values()]))}
+    record = provenance(settings_record(args), inputs=inputs.sources, miner=miner, teacher=teacher.record(),
+                        counts=counts, device=str(device))
+    write_outputs(args, inputs, lines, record)
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.quiet:
+        transformers_logging.disable_progress_bar()
+    def make_and_report() -> int:
+        record = run(args)
+        counts = record["counts"]
+        print(f"wrote {counts['written']} of {counts['queries']} queries to {record['files']['examples']} "
+              f"({record['files']['meta']})")
+        return 0
+
+    return exit_status(PROG, make_and_report)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

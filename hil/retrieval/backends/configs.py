@@ -1,0 +1,230 @@
+"""Typed settings of the search back-ends: what is fixed when an index is built, and what steers each search.
+
+Every back-end (:mod:`hil.retrieval.backends`) declares two classes:
+
+- an :class:`IndexConfig` (build time): the structure written beside the vectors (IVF lists, PQ codes, PLAID
+  centroids, residual codes). An index records its resolved values in ``index.json``; a reused index is compared
+  on these only (:func:`hil.retrieval.builder.open_or_build_index`), and a different value rebuilds the structure.
+- a :class:`SearchConfig` (search time): how many lists or centroids a query probes, how many candidates survive.
+  Nothing of it is stored with the index: it is applied at every search, and the values the back-end used are read
+  back from it after the search (``SearchBackend.search_stats``) for the results file.
+
+Both are frozen dataclasses selectable by ``class_path`` in YAML (as Lightning IR's ``FaissIVFPQIndexConfig`` and
+``SearchConfig``), e.g.::
+
+    backend: {class_path: hil.retrieval.backends.configs.PlaidIndexConfig, init_args: {residual_bits: 2}}
+    search: {class_path: hil.retrieval.backends.configs.PlaidSearchConfig, init_args: {nprobe: 16}}
+
+An untyped ``faiss_params`` / ``backend_params`` dict (the spelling before these classes) is split into the two by
+:func:`configs_from_params`, which names a key that belongs to neither.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any, ClassVar, Mapping
+
+from hil.data.errors import UserError
+
+
+def _at_least(owner: object, name: str, value: int | None, low: int = 1) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+        raise UserError(f"{type(owner).__name__}.{name} must be an integer >= {low} (got {value!r})")
+
+
+class BackendConfig:
+    """Shared behaviour of both kinds of settings: the back-end ``kind`` they belong to, and their values."""
+
+    kind: ClassVar[str]
+
+    def values(self) -> dict[str, Any]:
+        """Every field, ``None`` for "the back-end's default" (for records)."""
+        return asdict(self)  # type: ignore[call-overload]
+
+    def given(self) -> dict[str, Any]:
+        """The fields set to something other than None (what a back-end resolves defaults around)."""
+        return {key: value for key, value in self.values().items() if value is not None}
+
+    @classmethod
+    def field_names(cls) -> frozenset[str]:
+        return frozenset(f.name for f in fields(cls))  # type: ignore[arg-type]
+
+    def record(self) -> dict[str, Any]:
+        """``{"class_path": ..., "init_args": ...}``: how a YAML config names these settings."""
+        return {"class_path": f"{type(self).__module__}.{type(self).__name__}", "init_args": self.values()}
+
+
+class IndexConfig(BackendConfig):
+    """Build-time settings of a back-end (see the module docstring)."""
+
+
+class SearchConfig(BackendConfig):
+    """Search-time settings of a back-end (see the module docstring)."""
+
+
+# -- build time -------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class FlatIndexConfig(IndexConfig):
+    """``flat``: exact inner-product search (FAISS ``IndexFlatIP``), rebuilt in memory from the stored vectors."""
+
+    kind: ClassVar[str] = "flat"
+
+
+@dataclass(frozen=True)
+class IvfFlatIndexConfig(IndexConfig):
+    """``ivfflat``: an inverted file of ``nlist`` k-means lists (default ``min(4 sqrt(n_tokens), n_tokens / 39)``),
+    trained on ``train_size`` seeded sampled tokens (default ``min(n_tokens, max(100 nlist, 65536))``)."""
+
+    kind: ClassVar[str] = "ivfflat"
+    nlist: int | None = None
+    train_size: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _at_least(self, "nlist", self.nlist)
+        _at_least(self, "train_size", self.train_size)
+        _at_least(self, "seed", self.seed, low=0)
+
+
+@dataclass(frozen=True)
+class IvfPqIndexConfig(IvfFlatIndexConfig):
+    """``ivfpq``: IVF lists of product-quantized vectors, ``m`` sub-vectors (default the largest divisor of the
+    dimension up to 16, ColBERT v1's 16 bytes per token) of ``nbits`` bits each (default 8)."""
+
+    kind: ClassVar[str] = "ivfpq"
+    m: int | None = None
+    nbits: int = 8
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _at_least(self, "m", self.m)
+        _at_least(self, "nbits", self.nbits)
+
+
+@dataclass(frozen=True)
+class PlaidIndexConfig(IndexConfig):
+    """``plaid``: PLAID / ColBERTv2 centroids (default ``2**floor(log2(16 sqrt(n_tokens)))``), k-means on
+    ``train_size`` sampled tokens (default ``min(n_tokens, 32 n_centroids)``) for ``niter`` iterations (ColBERTv2's
+    4), ``seed``; ``residual_bits`` (0 = none; 1, 2, 4 or 8) adds ColBERTv2 residual codes, and
+    ``keep_embeddings=False`` (only with residuals) drops the fp16 vectors."""
+
+    kind: ClassVar[str] = "plaid"
+    n_centroids: int | None = None
+    train_size: int | None = None
+    niter: int = 4
+    seed: int = 0
+    residual_bits: int = 0
+    keep_embeddings: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("n_centroids", "train_size", "niter"):
+            _at_least(self, name, getattr(self, name))
+        _at_least(self, "seed", self.seed, low=0)
+        _at_least(self, "residual_bits", self.residual_bits, low=0)
+
+
+# -- search time ------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class FlatSearchConfig(SearchConfig):
+    """Token ANN search (ColBERT v1, Sec. 3.6): ``ncandidates`` nearest stored tokens per query token and head;
+    ``max_candidates`` caps a query's candidates by their approximate score (None: all are scored exactly)."""
+
+    kind: ClassVar[str] = "flat"
+    ncandidates: int = 256
+    max_candidates: int | None = None
+
+    def __post_init__(self) -> None:
+        _at_least(self, "ncandidates", self.ncandidates)
+        _at_least(self, "max_candidates", self.max_candidates)
+
+
+@dataclass(frozen=True)
+class IvfSearchConfig(FlatSearchConfig):
+    """Token ANN search in an IVF index (``ivfflat`` and ``ivfpq``): also ``nprobe`` lists visited per query
+    token."""
+
+    kind: ClassVar[str] = "ivf"
+    nprobe: int = 32
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _at_least(self, "nprobe", self.nprobe)
+
+
+@dataclass(frozen=True)
+class PlaidSearchConfig(SearchConfig):
+    """PLAID's three candidate stages (:mod:`hil.retrieval.plaid`): each query token probes ``nprobe`` centroids,
+    ``stage2_docs`` documents survive the probed-cells bound, and each head keeps its ``ndocs`` best documents by
+    centroid interaction for exact scoring."""
+
+    kind: ClassVar[str] = "plaid"
+    nprobe: int = 8
+    ndocs: int = 256
+    stage2_docs: int = 1024
+
+    def __post_init__(self) -> None:
+        for name in ("nprobe", "ndocs", "stage2_docs"):
+            _at_least(self, name, getattr(self, name))
+
+
+INDEX_CONFIGS: dict[str, type[IndexConfig]] = {
+    config.kind: config for config in (FlatIndexConfig, IvfFlatIndexConfig, IvfPqIndexConfig, PlaidIndexConfig)}
+SEARCH_CONFIGS: dict[str, type[SearchConfig]] = {
+    "flat": FlatSearchConfig, "ivfflat": IvfSearchConfig, "ivfpq": IvfSearchConfig, "plaid": PlaidSearchConfig}
+BACKEND_KINDS = tuple(INDEX_CONFIGS)
+
+
+def check_kind(kind: str) -> str:
+    if kind not in INDEX_CONFIGS:
+        raise UserError(f"backend must be one of {BACKEND_KINDS} (got {kind!r})")
+    return kind
+
+
+def index_config(backend: str | IndexConfig) -> IndexConfig:
+    """``backend`` as build-time settings: a config as is, a kind name with every default."""
+    if isinstance(backend, IndexConfig):
+        return backend
+    return INDEX_CONFIGS[check_kind(backend)]()
+
+
+def default_search(kind: str) -> SearchConfig:
+    """The search-time defaults of back-end ``kind``."""
+    return SEARCH_CONFIGS[check_kind(kind)]()
+
+
+def check_search(kind: str, search: SearchConfig | None) -> SearchConfig:
+    """``search`` (default: ``kind``'s defaults), refused when it steers another back-end than ``kind``'s."""
+    if search is None:
+        return default_search(kind)
+    expected = SEARCH_CONFIGS[check_kind(kind)]
+    if type(search) is not expected:
+        raise UserError(f"search settings {type(search).__name__} do not apply to a {kind!r} index "
+                        f"(it takes {expected.__name__})")
+    return search
+
+
+def with_search_values(kind: str, search: SearchConfig | None, values: Mapping[str, Any]) -> SearchConfig:
+    """``search`` (or ``kind``'s defaults) with the non-None ``values`` set; a key it has no field for is refused
+    (e.g. ``nprobe`` on a ``flat`` index)."""
+    search = check_search(kind, search)
+    values = {key: value for key, value in values.items() if value is not None}
+    unknown = set(values) - type(search).field_names()
+    if unknown:
+        raise UserError(f"search settings {sorted(unknown)} do not apply to a {kind!r} index "
+                        f"(its settings: {sorted(type(search).field_names())})")
+    return type(search)(**{**search.values(), **values})
+
+
+def configs_from_params(kind: str, params: Mapping[str, Any] | None) -> tuple[IndexConfig, SearchConfig]:
+    """An untyped parameter dict (``--faiss-params``, ``backend_params``) split into ``kind``'s build-time and
+    search-time settings; a key that belongs to neither is refused, naming the keys ``kind`` takes."""
+    params = dict(params or {})
+    build, search = INDEX_CONFIGS[check_kind(kind)], SEARCH_CONFIGS[kind]
+    unknown = set(params) - build.field_names() - search.field_names()
+    if unknown:
+        raise UserError(f"parameters {sorted(unknown)} do not apply to backend {kind!r} (build time: "
+                        f"{sorted(build.field_names())}; search time: {sorted(search.field_names())})")
+    return (build(**{k: v for k, v in params.items() if k in build.field_names()}),
+            search(**{k: v for k, v in params.items() if k in search.field_names()}))

@@ -1,0 +1,198 @@
+"""The ``hil`` command (hil.console) and the commands the README shows.
+
+- every subcommand answers ``--help`` (exit 0) and a bad option or command in one line (exit 2);
+- ``hil evaluate --print_config`` prints YAML that, given back as ``--config``, describes the same experiment;
+- ``hil evaluate`` from YAML recipes (``eval/scifact`` + ``eval/plaid``) measures what ``evaluate.py`` measures, and
+  its metrics.json records the PLAID settings it searched with;
+- ``hil index`` and ``hil search`` on a tiny dataset;
+- every ``python evaluate.py ...`` and ``hil ...`` command of the README runs with tiny inputs substituted for its
+  model and dataset (GPU lines only where a GPU is).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import torch
+
+from hil.console import main as hil_main
+from hil.console import parse_experiment
+from hil.evaluation.cli import main as evaluate_main
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def write_beir(folder: Path, n_docs: int = 40) -> Path:
+    words = "cell gene protein tumor vaccine dose brain heart blood lung risk insulin growth therapy".split()
+    (folder / "qrels").mkdir(parents=True)
+    corpus = {f"d{i:02d}": " ".join(words[(i * k) % len(words)] for k in range(1, 8)) for i in range(n_docs)}
+    (folder / "corpus.jsonl").write_text("".join(json.dumps({"_id": d, "title": "", "text": t}) + "\n"
+                                                 for d, t in corpus.items()))
+    queries = {f"q{i}": f"{words[i]} {words[(3 * i + 1) % len(words)]}" for i in range(5)}
+    (folder / "queries.jsonl").write_text("".join(json.dumps({"_id": q, "text": t}) + "\n" for q, t in queries.items()))
+    (folder / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\n" + "".join(
+        f"q{i}\td{(7 * i) % n_docs:02d}\t{1 + i % 2}\n" for i in range(5)))
+    with open(folder / "bm25-top100.trec", "w") as run:  # a first-stage run, as TREC DL ships one
+        for i in range(5):
+            for rank, j in enumerate(range(10), start=1):
+                run.write(f"q{i} Q0 d{(7 * i + j) % n_docs:02d} {rank} {10.0 - j} bm25\n")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir, tmp_path_factory):
+    from hil.modeling.loading import load_encoder
+
+    root = tmp_path_factory.mktemp("console")
+    torch.manual_seed(0)
+    export = load_encoder(str(tiny_model_dir), dim=16, query_maxlen=12, doc_maxlen=24).save_pretrained(
+        root / "model" / "export")
+    return {"export": export, "beir": write_beir(root / "beir" / "tiny"), "root": root}
+
+
+@pytest.mark.parametrize("command", ["evaluate", "index", "search", "fit", "beir", "paper", "analyze", "share",
+                                     "teacher"])
+def test_every_subcommand_answers_help(command, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        raise SystemExit(hil_main([command, "--help"]))
+    assert exit_.value.code in (0, None)
+    assert "usage" in capsys.readouterr().out.lower()
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["nonsense"], "unknown command 'nonsense'"),
+    (["evaluate", "--dataset", "x", "--settings.k", "zero"], "settings.k"),
+    (["evaluate", "--dataset", "x", "--settings.backend", "hil.retrieval.backends.configs.NoSuch"], "backend"),
+    (["evaluate", "--model", "m"], "no dataset"),
+])
+def test_bad_commands_are_one_line(argv, words, capsys):
+    assert hil_main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "error:" in err[0] and words in err[0], err
+
+
+def test_print_config_round_trips(tmp_path, capsys):
+    argv = ["evaluate", "--config", "eval/scifact", "--config", "eval/plaid", "--model", "runs/x/export",
+            "--settings.search.init_args.nprobe", "3", "--statistics.p_adjust", "bh"]
+    assert hil_main([*argv, "--print_config"]) == 0
+    printed = capsys.readouterr().out
+    (tmp_path / "printed.yaml").write_text(printed)
+    direct = parse_experiment(argv[1:], "hil evaluate")
+    again = parse_experiment(["--config", str(tmp_path / "printed.yaml")], "hil evaluate")
+    assert again.settings == direct.settings and again.statistics == direct.statistics
+    assert again.datasets == direct.datasets and again.models == direct.models
+    assert again.settings.search.nprobe == 3 and again.settings.backend.kind == "plaid"
+
+
+def test_hil_evaluate_from_recipes_matches_evaluate_py_and_records_what_ran(tiny, tmp_path):
+    export, beir = tiny["export"], tiny["beir"]
+    out_hil, out_old = tmp_path / "hil", tmp_path / "old"
+    assert hil_main(["evaluate", "--config", "eval/scifact", "--config", "eval/plaid", "--model", str(export),
+                     "--datasets", json.dumps([{"name": str(beir)}]), "--output", str(out_hil), "--folders", "flat",
+                     "--settings.index_root", str(tmp_path / "indexes"), "--settings.progress", "false",
+                     "--settings.search.init_args.nprobe", "2", "--settings.backend.init_args.n_centroids", "8",
+                     "--quiet", "true"]) == 0
+    assert evaluate_main(["--model", str(export), "--dataset", str(beir), "--backend", "plaid", "--backend-params",
+                          json.dumps({"nprobe": 2, "n_centroids": 8}), "--output", str(out_old), "--quiet",
+                          "--index-root", str(tmp_path / "indexes")]) == 0
+    new = json.loads((out_hil / "metrics.json").read_text())
+    old = json.loads((out_old / "metrics.json").read_text())
+    (model_new,) = [name for name in new["results"] if name != "bm25"]
+    (model_old,) = [name for name in old["results"] if name != "bm25"]
+    assert new["results"][model_new]["metrics"] == old["results"][model_old]["metrics"]
+    assert new["results"]["bm25"]["metrics"] == old["results"]["bm25"]["metrics"]
+    used = new["results"][model_new]["search_stats"]["search"]
+    assert used == {"backend": "plaid", "nprobe": 2, "ndocs": 256, "stage2_docs": 1024}
+    assert new["results"][model_new]["backend"]["params"]["n_centroids"] == 8
+    assert new["settings"]["evaluation"]["search"]["init_args"]["nprobe"] == 2
+    assert new["statistics"]["p_adjust"]["method"] == "holm"
+
+
+def test_hil_index_and_search(tiny, tmp_path, capsys):
+    export, beir = tiny["export"], tiny["beir"]
+    common = ["--model", str(export), "--dataset", str(beir), "--settings.index_root", str(tmp_path / "idx"),
+              "--settings.progress", "false", "--quiet", "true"]
+    assert hil_main(["index", *common]) == 0
+    assert "40 documents" in capsys.readouterr().out
+    assert hil_main(["search", *common, "--output", str(tmp_path / "run.trec")]) == 0
+    lines = (tmp_path / "run.trec").read_text().splitlines()
+    assert {line.split()[0] for line in lines} == {f"q{i}" for i in range(5)}
+    assert hil_main(["search", "--dataset", str(beir), "--output", str(tmp_path / "r2.trec")]) == 2
+
+
+# -- the README's commands ---------------------------------------------------------------------------------------
+
+def readme_commands(prefixes: tuple[str, ...]) -> list[str]:
+    """Every command line of the README's code blocks starting with one of ``prefixes`` (continuations joined)."""
+    text = README.read_text(encoding="utf-8")
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = shlex.join(shlex.split(line, comments=True))
+            if line.startswith(prefixes):
+                commands.append(line)
+    return commands
+
+
+def tiny_argv(command: str, tiny: dict, tmp_path: Path) -> list[str] | None:
+    """The command's arguments with the tiny model and dataset in place of its own (None: it needs a GPU)."""
+    args = shlex.split(command)
+    if "cuda" in args and not torch.cuda.is_available():
+        return None
+    start = 2 if args[0] == "python" else 1
+    out, model, beir = [], str(tiny["export"]), str(tiny["beir"])
+    skip = False
+    for i, arg in enumerate(args[start:]):
+        if skip:
+            skip = False
+            continue
+        previous = args[start + i - 1] if i else ""
+        if previous == "--model":
+            out.append(f"{model}+{model}" if "+" in arg else model)
+        elif previous in ("--dataset",):
+            out.append(beir)
+        elif previous == "--first-stage-run":
+            out.append(str(tiny["beir"] / "bm25-top100.trec"))
+        elif previous == "--processes":
+            out.append("1")  # processes are covered by tests/test_multiprocess_encoding.py
+        elif previous in ("--faiss-params", "--backend-params"):
+            out.append(json.dumps({"nlist": 4, "m": 4, "nbits": 4, "nprobe": 4}))
+        else:
+            out.append(arg)
+    if "--dataset" in out and out[out.index("--dataset") + 1] == beir and "irds:" in command:
+        return None  # ir_datasets ids: tests/test_irds.py (no download here)
+    return [*out, "--output", str(tmp_path / "out"), "--index-root", str(tmp_path / "indexes"), "--quiet",
+            "--no-stats"]
+
+
+def test_every_evaluate_command_of_the_readme_runs(tiny, tmp_path):
+    commands = readme_commands(("python evaluate.py",))
+    assert len(commands) >= 8
+    ran = 0
+    for command in commands:
+        argv = tiny_argv(command, tiny, tmp_path)
+        if argv is None:
+            continue
+        assert evaluate_main(argv) == 0, command
+        assert (tmp_path / "out" / "metrics.json").is_file(), command
+        ran += 1
+    assert ran >= 8
+
+
+def test_every_hil_command_of_the_readme_parses(tiny):
+    commands = readme_commands(("hil evaluate", "hil index", "hil search"))
+    assert len(commands) >= 6, "the README shows the hil command"
+    for command in commands:
+        experiment = parse_experiment(shlex.split(command)[2:], "hil evaluate")
+        assert experiment.datasets and experiment.models, command
+    yaml = re.search(r"```yaml\n# hil evaluate --config my-eval.yaml\n(.*?)```", README.read_text(), re.S)
+    assert yaml is not None, "the README shows an evaluation config"
+    config = tiny["root"] / "my-eval.yaml"
+    config.write_text(yaml.group(1))
+    experiment = parse_experiment(["--config", str(config)], "hil evaluate")
+    assert [d.name for d in experiment.datasets] == ["scifact", "msmarco/dl19"]
+    assert experiment.settings.backend.residual_bits == 2 and experiment.settings.search.nprobe == 8
