@@ -111,7 +111,7 @@ def _corpus_items(corpus: Mapping[str, str] | BeirDataset) -> tuple[list[str], l
 def build_index(model: Encoder, corpus: Mapping[str, str] | BeirDataset, directory: str | Path,
                 **settings: Any) -> TokenIndex:
     """The index of ``corpus`` under ``model`` in ``directory``: opened when it already holds this corpus and
-    model (and is intact), built otherwise. ``settings``: ``hil.retrieval.builder.build_index``'s (``faiss_kind``,
+    model (and is intact), built otherwise. ``settings``: ``hil.retrieval.builder.build_index``'s (``backend``,
     ``batch_size``, ``quantize``, ``progress``...)."""
     doc_ids, texts = _corpus_items(corpus)
     return open_or_build_index(model, doc_ids, texts, Path(directory), **settings)

@@ -134,7 +134,9 @@ def index_command(argv: list[str]) -> int:
 
 
 def search_command(argv: list[str]) -> int:
-    """One model's ranking of one dataset's queries, written as a TREC run (``--output`` is the run file)."""
+    """One model's ranking of one dataset's queries, written as a TREC run (``--output`` is the run file; the
+    experiment's column files, which let a rerun with the same settings reuse the ranking, go to
+    ``<output>.parts/``)."""
     from hil.evaluation.runner import run_experiment
 
     experiment = parse_experiment(argv, f"{PROG} search")
