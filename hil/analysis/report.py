@@ -17,7 +17,8 @@ thresholds, COE / ROE           004 Secs. 2.2-2.3
 vocabulary projections          top tokens through the MLM head, token amnesia (003 Secs. 5-6)
 ==============================  =============================================================================
 
-Layout: this module evaluates the models (:func:`evaluate_variants`), calls one function of
+Layout: this module describes its evaluations as one experiment run by the runner (:func:`evaluate_variants`,
+:mod:`hil.evaluation.runner`), calls one function of
 :mod:`hil.analysis.sections` per section and draws the figures (:mod:`hil.analysis.plots`); the report dict it
 writes as report.json is rendered to report.md by :func:`hil.analysis.render.render_markdown` alone.
 
@@ -33,10 +34,9 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
-import torch
 
 from hil.analysis import plots
 from hil.analysis.render import render_markdown
@@ -44,8 +44,8 @@ from hil.analysis.sections import (Variant, head_overlap_section, isotropy_secti
                                    statistics_section, thresholds_section, token_cosines_section, vocabulary_section)
 from hil.analysis.similarity import top_pairs
 from hil.retrieval.backends.configs import with_search_values
-from hil.evaluation.evaluate import (Evaluation, EvaluationSettings, evaluate, evaluate_bm25, evaluate_transformed,
-                                     run_name)
+from hil.evaluation.evaluate import Evaluation, EvaluationSettings, run_name
+from hil.evaluation.runner import DatasetSpec, Experiment, ModelSpec, StatisticsSettings, run_experiment
 from hil.evaluation.metrics import DEFAULT_METRICS
 from hil.provenance import provenance, write_json_atomic
 from hil.retrieval.index import encoder_fingerprint
@@ -110,13 +110,6 @@ def _label(source: str, taken: set[str]) -> str:
     return label
 
 
-def _load(source: str, overrides: dict[str, Any]) -> Any:
-    """``load_encoder``; an ensemble ("iso+aniso") keeps its members' own settings, so no overrides go to it."""
-    from hil.modeling.loading import load_encoder, split_ensemble_source
-
-    return load_encoder(source) if split_ensemble_source(source) is not None else load_encoder(source, **overrides)
-
-
 def _finite(value: Any) -> Any:
     """JSON-safe numbers: NaN / inf become None (JSON has no NaN)."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -132,45 +125,48 @@ def _finite(value: Any) -> Any:
     return value
 
 
-def evaluate_variants(config: AnalysisConfig, dataset: Any, lap: Callable[[str], None] = lambda name: None
-                      ) -> tuple[Evaluation, list[Variant], Variant | None]:
-    """BM25, the model, the model under each transform and the comparison model, each through
-    :func:`hil.evaluation.evaluate.evaluate` with the same settings. -> (bm25, variants, compare or None);
-    ``variants[0]`` is the model, the comparison model (when given) the last variant."""
-    overrides = {k: v for k, v in {"dim": config.dim, "query_maxlen": config.query_maxlen,
-                                   "doc_maxlen": config.doc_maxlen}.items() if v is not None}
+def analysis_experiment(config: AnalysisConfig) -> Experiment:
+    """The evaluations the report analyses, as one experiment: BM25, the model, the model under each transform and
+    the comparison model, full ranking with the same settings, every column computed afresh (the sections need the
+    evaluations, encoders and indexes themselves), written under ``<output>/runs``."""
+    taken: set[str] = set()
+    head = {"dim": config.dim, "query_maxlen": config.query_maxlen, "doc_maxlen": config.doc_maxlen}
+    models = [ModelSpec(config.model, name=_label(config.model, taken), transforms=tuple(config.transforms),
+                        transform_name="{column}+{transform}" + ("" if config.transform_mode == "token"
+                                                                 else "-sequence"),
+                        transform_mode=config.transform_mode, transform_max_tokens=config.transform_max_tokens,
+                        **head)]
+    if config.compare_model:
+        models.append(ModelSpec(config.compare_model, name=_label(config.compare_model, taken), **head))
     search = with_search_values(config.faiss, None, {"ncandidates": config.ncandidates})
     settings = EvaluationSettings(mode="full", k=config.k, index_root=config.index_root, backend=config.faiss,
-                                  search=search, batch_size=config.batch_size,
-                                  metrics=REPORT_METRICS, progress=config.progress)
-    bm25 = evaluate_bm25(dataset, k=max(config.k, 100), metrics=REPORT_METRICS)
-    lap("bm25")
-    taken: set[str] = set()
-    variants: list[Variant] = []
-    compare: Variant | None = None
-    with torch.inference_mode():
-        torch.manual_seed(config.seed)
-        encoder = _load(config.model, overrides)
-        name = _label(config.model, taken)
-        evaluation = evaluate(encoder, dataset, settings, name=name)
-        variants.append(Variant(name, config.model, encoder, evaluation, evaluation.store))
-        lap("model")
-        for spec in config.transforms:
-            t_name = run_name(f"{name}+{spec}" + ("" if config.transform_mode == "token" else "-sequence"))
-            t_eval, t_encoder = evaluate_transformed(
-                encoder, dataset, spec, settings, transform_mode=config.transform_mode,
-                max_tokens=config.transform_max_tokens, seed=config.seed, name=t_name)
-            variants.append(Variant(t_name, config.model, t_encoder, t_eval, t_eval.store, transform=spec))
-            lap(f"transform {spec}")
-        if config.compare_model:
-            torch.manual_seed(config.seed)
-            other = _load(config.compare_model, overrides)
-            c_name = _label(config.compare_model, taken)
-            c_eval = evaluate(other, dataset, settings, name=c_name)
-            compare = Variant(c_name, config.compare_model, other, c_eval, c_eval.store)
-            variants.append(compare)
-            lap("compare model")
-    return bm25, variants, compare
+                                  search=search, batch_size=config.batch_size, metrics=REPORT_METRICS,
+                                  progress=config.progress)
+    dataset = DatasetSpec(config.dataset, split=config.split, max_queries=config.max_queries,
+                          max_docs=config.max_docs)
+    return Experiment([dataset], models, Path(config.output) / "runs", settings=settings,
+                      statistics=StatisticsSettings(enabled=False), folders="flat", seed=config.seed,
+                      data_dir=config.data_dir, quiet=not config.progress, resume=False,
+                      command={"analysis": asdict(config)})
+
+
+def evaluate_variants(config: AnalysisConfig) -> tuple[Any, Evaluation, list[Variant], Variant | None]:
+    """Run :func:`analysis_experiment` (:func:`hil.evaluation.runner.run_experiment`). -> (the dataset as evaluated,
+    BM25's evaluation, the variants, the comparison model's variant or None); ``variants[0]`` is the model, the
+    comparison model (when given) the last variant."""
+    experiment = analysis_experiment(config)
+    (result,) = run_experiment(experiment)
+    bm25, *columns = result.columns
+    compared = experiment.models[-1].column if config.compare_model else None
+    variants, compare = [], None
+    for column in columns:
+        model = column.record["model"]
+        variant = Variant(column.name, model["source"], column.encoder, column.evaluation, column.evaluation.store,
+                          transform=model.get("transform", {}).get("transform"))
+        variants.append(variant)
+        if column.name == compared:
+            compare = variant
+    return result.dataset, bm25.evaluation, variants, compare
 
 
 class _Laps:
@@ -188,15 +184,11 @@ class _Laps:
 
 def run_analysis(config: AnalysisConfig) -> dict[str, Any]:
     """Run every instrument and write ``report.json``, ``report.md`` and the PNG figures to ``config.output``."""
-    from hil.data.beir import load_beir
-
     output = Path(config.output)
     output.mkdir(parents=True, exist_ok=True)
     lap, notes, seed = _Laps(), [], config.seed
-    dataset = load_beir(config.dataset, split=config.split, data_dir=config.data_dir)
-    if config.max_queries or config.max_docs:
-        dataset = dataset.subset(config.max_queries, config.max_docs, seed=seed)
-    bm25, variants, compare = evaluate_variants(config, dataset, lap)
+    dataset, bm25, variants, compare = evaluate_variants(config)
+    lap("evaluations")
     base = variants[0]
 
     statistics = statistics_section(bm25, variants, metrics=STAT_METRICS, n_bootstrap=config.n_bootstrap,

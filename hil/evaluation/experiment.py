@@ -156,7 +156,9 @@ class Experiment:
     ``baseline``: add the BM25 column (always there when re-ranking needs its candidates, or when a dataset gives
     a first-stage run). ``folders``: ``per-dataset`` writes ``output/<key>/``; ``flat`` writes the one dataset's
     files into ``output`` itself. ``idf`` and the slices are per model / dataset. ``command``: what the user ran
-    (recorded with every result). ``seed``: slices and untrained heads.
+    (recorded with every result). ``seed``: slices and untrained heads. ``resume``: keep the columns finished with
+    the same identity (False: compute every column again, e.g. when the caller needs the evaluations and encoders
+    themselves, as the analysis report does).
     """
 
     datasets: Sequence[DatasetSpec]
@@ -169,6 +171,7 @@ class Experiment:
     seed: int = 12345
     data_dir: str | None = None
     quiet: bool = False
+    resume: bool = True
     command: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -109,11 +109,13 @@ def evaluation_identity(settings: EvaluationSettings, baseline: dict[str, Any], 
 
 @dataclass
 class Column:
-    """A finished column: its record (as on disk) and, when computed in this run, its evaluation."""
+    """A finished column: its record (as on disk) and, when computed in this run, its evaluation and the encoder
+    that made it (the transformed encoder for a transform column)."""
 
     name: str
     record: dict[str, Any]
     evaluation: Evaluation | None = None
+    encoder: Encoder | None = None
 
     def as_evaluation(self) -> Evaluation:
         """The evaluation, or one rebuilt from the record (per-query metrics; the run stays in its .trec file)."""
@@ -163,7 +165,7 @@ class DatasetRun:
     def finished(self, name: str, identity: dict[str, Any]) -> dict[str, Any] | None:
         """The record of column ``name`` when it was made with ``identity``, else None (saying why it is redone)."""
         path = self.folder / f"{name}.json"
-        if not path.is_file():
+        if not self.experiment.resume or not path.is_file():
             return None
         try:
             record = json.loads(path.read_text(encoding="utf-8"))
@@ -176,7 +178,8 @@ class DatasetRun:
             return None
         return record
 
-    def save(self, name: str, evaluation: Evaluation, identity: dict[str, Any], model: dict[str, Any]) -> Column:
+    def save(self, name: str, evaluation: Evaluation, identity: dict[str, Any], model: dict[str, Any],
+             encoder: Encoder | None = None) -> Column:
         """The run, then the column's record (its presence marks the column finished), both atomically."""
         self.folder.mkdir(parents=True, exist_ok=True)
         write_trec_run(self.folder / f"{name}.trec", evaluation.run, tag=name)
@@ -185,7 +188,7 @@ class DatasetRun:
                             per_query=evaluation.per_query,
                             details={k: v for k, v in evaluation.details.items() if k != "sources"})
         write_json_atomic(self.folder / f"{name}.json", record)
-        return Column(name, normalized(record), evaluation)
+        return Column(name, normalized(record), evaluation, encoder)
 
     # -- columns -------------------------------------------------------------------------------------------------
     def baseline(self) -> Column | None:
@@ -226,7 +229,7 @@ class DatasetRun:
                            f"{len(self.dataset.corpus)} documents, {settings.mode})")
             with torch.inference_mode():
                 evaluation = evaluate(encoder, self.dataset, settings, name=column, candidates=self._candidates())
-            yield self.save(column, evaluation, identity, model)
+            yield self.save(column, evaluation, identity, model, encoder)
         else:
             yield Column(column, record)
         for transform in spec.transforms:
@@ -246,7 +249,8 @@ class DatasetRun:
                     candidates=self._candidates())
             yield self.save(name, evaluation, transform_id, {**model, "name": name, "transform": fitted,
                                                              "settings": transformed.settings(),
-                                                             "fingerprint": encoder_fingerprint(transformed)})
+                                                             "fingerprint": encoder_fingerprint(transformed)},
+                            transformed)
 
     def _candidates(self) -> dict[str, list[str]] | None:
         return self.candidates if self.settings.mode != "full" else None
