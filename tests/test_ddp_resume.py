@@ -23,7 +23,9 @@ rank 0's checkpoint, each rank skipping its share), ``hil.modeling.callbacks.Ste
 Checked by breaking each and watching this test fail: the sampler not restoring its position, or skipping the
 all-ranks count on every rank; no per-batch reseed; StepReseed not restoring its base seed (caught because the
 resume runs under another global seed); Adam's moments or the scheduler's state dropped on load.
-Runtime about 50-80 s on 2 busy cores (three 2-rank runs, two of them at once).
+Runtime about 50-80 s on 2 busy cores (three 2-rank runs, two of them at once). The same with a ColBERTv2 n-way file
+(KL distillation + cross-rank in-batch negatives) is the slow-marked `nway` case (issue 22: exact resume from an
+n-way file on two ranks).
 """
 
 from __future__ import annotations
@@ -43,6 +45,29 @@ from test_faults import assert_same_tensors, load
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS, KILL_AFTER, CHECKPOINT = 6, 3, 2  # 6 steps; killed after step 3; the last checkpoint then is step 2's
+
+
+def nway_examples(folder: Path, shared_dir: Path) -> list[str]:
+    """The smoke preset's 32 MS MARCO triples as a ColBERTv2 n-way file (3 documents a query: the positive, its
+    negative and the next query's negative, with teacher scores), and the options that train from it with KL
+    distillation plus cross-rank in-batch negatives (issue 22: exact resume from an n-way file on two ranks)."""
+    lines = (shared_dir / "data" / "msmarco" / "triples.train.small.head1000.tsv").read_text(
+        encoding="utf-8").splitlines()[:33]
+    triples = [line.split("\t") for line in lines]
+    passages = {}
+    pid = lambda text: passages.setdefault(text, f"p{len(passages)}")  # noqa: E731
+    with open(folder / "queries.tsv", "w", encoding="utf-8") as queries, \
+            open(folder / "examples.jsonl", "w", encoding="utf-8") as examples:
+        for i, (query, positive, negative) in enumerate(triples[:32]):
+            queries.write(f"q{i}\t{query}\n")
+            other = triples[i + 1][2]
+            examples.write(json.dumps([f"q{i}", [pid(positive), 3.0], [pid(negative), 0.5], [pid(other), 1.5]]) + "\n")
+    (folder / "collection.tsv").write_text("".join(f"{p}\t{' '.join(t.split())}\n" for t, p in passages.items()),
+                                          encoding="utf-8")
+    return ["--data.triples", "null", "--data.nway_examples", str(folder / "examples.jsonl"), "--data.queries",
+            str(folder / "queries.tsv"), "--data.collection", str(folder / "collection.tsv"), "--data.nway", "3",
+            "--model.loss", "hil.modeling.losses.KLDistillation",
+            "--model.terms+=hil.modeling.losses.InBatchCE"]
 
 
 def command(root: Path, records: Path, *extra: str) -> list[str]:
@@ -97,12 +122,14 @@ def steps_recorded(records: Path) -> list[int]:
 
 
 @pytest.mark.integration
-def test_two_rank_run_killed_mid_epoch_resumes_to_the_uninterrupted_weights(shared_dir, tmp_path):
+@pytest.mark.parametrize("data", ["triples", pytest.param("nway", marks=pytest.mark.slow)])
+def test_two_rank_run_killed_mid_epoch_resumes_to_the_uninterrupted_weights(shared_dir, tmp_path, data):
+    source = nway_examples(tmp_path, shared_dir) if data == "nway" else []
     reference_root, reference_records = tmp_path / "reference", tmp_path / "reference_records"
     killed_root, killed_records = tmp_path / "killed", tmp_path / "killed_records"
     killed_records.mkdir()
-    reference = start(command(reference_root, reference_records), tmp_path)
-    killed = start(command(killed_root, killed_records, f"--trainer.callbacks.pause_at_step={KILL_AFTER}"),
+    reference = start(command(reference_root, reference_records, *source), tmp_path)
+    killed = start(command(killed_root, killed_records, *source, f"--trainer.callbacks.pause_at_step={KILL_AFTER}"),
                    tmp_path)
     try:
         deadline = time.monotonic() + 400
@@ -132,7 +159,7 @@ def test_two_rank_run_killed_mid_epoch_resumes_to_the_uninterrupted_weights(shar
     resumed_root, resumed_records = tmp_path / "resumed", tmp_path / "resumed_records"
     # resumed under another global seed: everything random must come from the checkpoint (StepReseed's base seed
     # included, which would otherwise be taken from this seed_everything) or from the data's own seed
-    finish(start(command(resumed_root, resumed_records, "--seed_everything", "999",
+    finish(start(command(resumed_root, resumed_records, *source, "--seed_everything", "999",
                          "--ckpt_path", str(checkpoints / "last.ckpt")), tmp_path))
 
     expected, crashed, resumed = (read_records(d) for d in (reference_records, killed_records, resumed_records))
