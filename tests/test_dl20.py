@@ -128,7 +128,8 @@ def test_the_paper_experiment_reranks_dl20_and_reports_it(data_dir, tmp_path, mo
     assert "dl19: msmarco/dl19 not found under $HIL_DATA_DIR, left out" in capsys.readouterr().out
     assert sorted(p.name for p in (out / "eval").iterdir()) == ["dl20"]
     bm25 = json.loads((out / "eval" / "dl20" / "bm25.json").read_text())
-    assert bm25["mode"] == "first-stage" and bm25["relevance_level"] == 2 and bm25["judged_outside_corpus"] == 4
+    assert bm25["details"]["mode"] == "first-stage" and bm25["dataset"]["relevance_level"] == 2
+    assert bm25["dataset"]["judged_outside_corpus"] == 4
     assert bm25["metrics"]["ndcg@10"] == pytest.approx(reference({q: [d for d, _ in docs]
                                                                   for q, docs in run_lines().items()})["ndcg@10"])
     colbert = json.loads((out / "eval" / "dl20" / "colbert.json").read_text())

@@ -18,7 +18,7 @@ from hil.evaluation.runs import read_trec_run
 from hil.experiments.paper import head_overlap, main, relevant_pairs
 from hil.experiments.profiles import (DATASETS, DEFAULT_VARIANTS, DIAGNOSTICS, FIRST_STAGES, PROFILES, VARIANTS,
                                       default_datasets)
-from hil.experiments.records import dataset_column, delta_inter_iso, load_dataset
+from hil.experiments.records import NOT_COLUMNS, dataset_column, delta_inter_iso, load_dataset
 from hil.modeling.encoder import ColBERTEncoder
 from hil.retrieval.encoding import encode_document_tokens, eval_mode
 from hil.retrieval.search import score_documents
@@ -148,26 +148,33 @@ def test_smoke_dl19_reranks_the_given_bm25_run(tmp_path, capsys):
     out = tmp_path / "smoke"
     assert main(["--profile", "smoke", "--out", str(out), "--variants", "colbert", "--datasets", "dl19"]) == 0
     bm25 = json.loads((out / "eval" / "dl19" / "bm25.json").read_text())
-    assert bm25["mode"] == "first-stage" and bm25["run_file"].endswith("bm25-top100.trec")
-    assert bm25["judged_outside_corpus"] > 0 and bm25["relevance_level"] == 2
+    assert bm25["details"]["mode"] == "first-stage" and bm25["details"]["run_file"].endswith("bm25-top100.trec")
+    assert bm25["dataset"]["judged_outside_corpus"] > 0 and bm25["dataset"]["relevance_level"] == 2
     _, given = load_dataset("dl19", PROFILES["smoke"])
     assert bm25["metrics"] == given.aggregate and read_trec_run(out / "eval" / "dl19" / "bm25.trec") == given.run
     summary = json.loads((out / "summary.json").read_text())
     assert summary["table2"]["bm25"]["dl19"] == pytest.approx(given.aggregate["ndcg@10"])
     colbert = out / "eval" / "dl19" / "colbert.json"
     ranked = read_trec_run(out / "eval" / "dl19" / "colbert.trec")
-    assert {q: set(d) for q, d in ranked.items()} == {q: set(d) for q, d in bm25["run_top"].items()}
-    assert all(len(d) == PROFILES["smoke"].rerank_depth for d in bm25["run_top"].values())
+    depth = PROFILES["smoke"].rerank_depth
+    candidates = first_stage(given, depth)
+    assert {q: set(d) for q, d in ranked.items()} == {q: set(d) for q, d in candidates.items()}
+    assert all(len(d) == depth for d in candidates.values())
     assert "TREC DL19, re-ranking BM25 top 20, graded qrels" in (out / "report.md").read_text()
 
-    old = {**json.loads(colbert.read_text()), "dataset": "msmarco-dl19-pool", "metrics": {"ndcg@10": 0.99}}
-    (out / "eval" / "dl19" / "bm25.json").write_text(json.dumps({**bm25, "dataset": "msmarco-dl19-pool"}))
-    colbert.write_text(json.dumps(old))
+    # Results of other data (the old judged DL19 pool): the report refuses them, a rerun recomputes them.
+    def of_other_data(record: dict) -> dict:
+        identity = {**record["identity"], "dataset": {**record["identity"]["dataset"], "fingerprint": "pool"}}
+        return {**record, "identity": identity, "dataset": {**record["dataset"], "name": "msmarco-dl19-pool"}}
+
+    (out / "eval" / "dl19" / "bm25.json").write_text(json.dumps(of_other_data(bm25)))
+    colbert.write_text(json.dumps({**of_other_data(json.loads(colbert.read_text())), "metrics": {"ndcg@10": 0.99}}))
     assert main(["--profile", "smoke", "--out", str(out), "--report-only"]) == 1  # no report of other data
     assert "dl19/bm25 (msmarco-dl19-pool)" in capsys.readouterr().err
     assert main(["--profile", "smoke", "--out", str(out), "--variants", "colbert", "--datasets", "dl19"]) == 0
     redone = json.loads(colbert.read_text())
-    assert redone["dataset"] == "dl19" and redone["metrics"]["ndcg@10"] != 0.99
+    assert redone["dataset"]["name"] == "dl19" and redone["metrics"]["ndcg@10"] != 0.99
+    assert json.loads((out / "eval" / "dl19" / "bm25.json").read_text())["dataset"]["name"] == "dl19"
 
 
 def test_bad_arguments_are_one_line_errors(tmp_path, capsys):
@@ -218,8 +225,11 @@ def test_smoke_profile_end_to_end_and_resume(tmp_path):
     assert (published / "report.md").is_file() and (published / "figures" / "fig2_cosines.png").is_file()
     assert (published / "eval" / "dl19" / "hil.json").is_file() and not list(published.rglob("*.npz"))
 
-    before = {p: p.stat().st_mtime_ns for p in (out / "eval").rglob("*.json")}
+    def column_records() -> dict[Path, int]:  # metrics.json, the dataset's summary, is rewritten by every run
+        return {p: p.stat().st_mtime_ns for p in (out / "eval").rglob("*.json") if p.name not in NOT_COLUMNS}
+
+    before = column_records()
     exports = {p: p.stat().st_mtime_ns for p in (out / "train").glob("*/export/*.json")}
     assert main(["--profile", "smoke", "--out", str(out)]) == 0  # resumes: nothing retrained or re-evaluated
-    assert before == {p: p.stat().st_mtime_ns for p in (out / "eval").rglob("*.json")}
+    assert before == column_records()
     assert exports == {p: p.stat().st_mtime_ns for p in (out / "train").glob("*/export/*.json")}

@@ -13,12 +13,16 @@ so a model indexed once is reused).
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import sys
 
 import torch
 
+from hil.data.errors import exit_status
+from hil.data.option_files import parse_with_option_files
 from hil.evaluation.statistics import P_ADJUST_METHODS
+from hil.retrieval.backends.configs import BACKEND_KINDS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,7 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=12345, help="sampling and untrained-head initialisation")
     parser.add_argument("--k", type=int, default=1000, help="documents ranked per query")
     parser.add_argument("--ncandidates", type=int, default=None)
-    parser.add_argument("--faiss", choices=("flat", "ivfflat", "ivfpq"), default="flat")
+    parser.add_argument("--backend", "--faiss", dest="backend", choices=BACKEND_KINDS, default="flat",
+                        help="the index's search back-end (--faiss: the name before 0.2)")
+    parser.add_argument("--backend-params", dest="backend_params", type=json.loads, default=None,
+                        help='its build-time and search-time settings as JSON, e.g. \'{"ndocs": 512}\' for plaid')
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--dim", type=int, default=None,
                         help="head size for an untrained backbone (default 128); a trained model keeps its own")
@@ -65,8 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command; -> its exit status (2 and one line for an error a user can fix: an option, a file, a model)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    return exit_status("python -m hil.analysis", lambda: run(argv))
+
+
+def run(argv: list[str]) -> int:
+    args = parse_with_option_files(build_parser(), argv)
     if args.threads:
         torch.set_num_threads(args.threads)
         import faiss
@@ -79,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         transforms=list(args.transform), transform_mode=args.transform_mode,
         transform_max_tokens=args.transform_max_tokens, split=args.split, data_dir=args.data_dir,
         max_queries=args.max_queries, max_docs=args.max_docs, seed=args.seed, index_root=args.index_root, k=args.k,
-        ncandidates=args.ncandidates, faiss=args.faiss, batch_size=args.batch_size, dim=args.dim,
+        ncandidates=args.ncandidates, backend=args.backend,
+        backend_params=args.backend_params, batch_size=args.batch_size, dim=args.dim,
         query_maxlen=args.query_maxlen, doc_maxlen=args.doc_maxlen, n_bootstrap=args.bootstrap_samples,
         n_permutations=args.permutations, p_adjust=args.p_adjust, pairs=args.pairs,
         isotropy_tokens=args.isotropy_tokens,

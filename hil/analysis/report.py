@@ -43,7 +43,7 @@ from hil.analysis.render import render_markdown
 from hil.analysis.sections import (Variant, head_overlap_section, isotropy_section, layers_section,
                                    statistics_section, thresholds_section, token_cosines_section, vocabulary_section)
 from hil.analysis.similarity import top_pairs
-from hil.retrieval.backends.configs import with_search_values
+from hil.retrieval.backends.configs import configs_from_params, with_search_values
 from hil.evaluation.evaluate import Evaluation, EvaluationSettings, run_name
 from hil.evaluation.runner import DatasetSpec, Experiment, ModelSpec, StatisticsSettings, run_experiment
 from hil.evaluation.metrics import DEFAULT_METRICS
@@ -78,7 +78,8 @@ class AnalysisConfig:
     index_root: str = "indexes"
     k: int = 1000
     ncandidates: int | None = None
-    faiss: str = "flat"
+    backend: str = "flat"  # hil.retrieval.backends.configs.BACKEND_KINDS (flat, ivfflat, ivfpq, plaid)
+    backend_params: dict[str, Any] | None = None  # its build-time and search-time settings (configs_from_params)
     batch_size: int = 32
     dim: int | None = None  # an untrained head's size (None: 128); a trained model keeps its own
     query_maxlen: int | None = None
@@ -138,8 +139,9 @@ def analysis_experiment(config: AnalysisConfig) -> Experiment:
                         **head)]
     if config.compare_model:
         models.append(ModelSpec(config.compare_model, name=_label(config.compare_model, taken), **head))
-    search = with_search_values(config.faiss, None, {"ncandidates": config.ncandidates})
-    settings = EvaluationSettings(mode="full", k=config.k, index_root=config.index_root, backend=config.faiss,
+    backend, search = configs_from_params(config.backend, config.backend_params)
+    search = with_search_values(config.backend, search, {"ncandidates": config.ncandidates})
+    settings = EvaluationSettings(mode="full", k=config.k, index_root=config.index_root, backend=backend,
                                   search=search, batch_size=config.batch_size, metrics=REPORT_METRICS,
                                   progress=config.progress)
     dataset = DatasetSpec(config.dataset, split=config.split, max_queries=config.max_queries,

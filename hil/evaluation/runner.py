@@ -16,7 +16,9 @@ that change the numbers (:func:`column_identity`) -- is kept; any other is recom
 sizes and folders change how fast, not what, and are not part of an identity.
 
 Every entry point describes its experiment and calls this: ``evaluate.py`` / ``hil evaluate`` (one dataset, in
-``output`` itself), ``hil beir`` (:mod:`hil.experiments.beir`: every BEIR set, ``output/<dataset>/``). Statistics
+``output`` itself), ``hil beir`` (:mod:`hil.experiments.beir`: every BEIR set, ``output/<dataset>/``), the paper
+experiment (:mod:`hil.experiments.paper`, with :class:`ColumnHooks` for what only it measures: InterIso, each head's
+score matrix, figures, ColBERT-lambda derived from its members' matrices) and the analysis report. Statistics
 compare every column with the baseline, and each transform with its plain model: one family per reference run
 and metric for the p-value adjustment (:data:`hil.evaluation.results.PAIRED_FAMILY`).
 """
@@ -27,7 +29,7 @@ import json
 import logging
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import torch
 
@@ -43,13 +45,14 @@ from hil.modeling.contracts import Encoder
 from hil.modeling.hil import HILEncoder
 from hil.modeling.loading import load_encoder, split_ensemble_source
 from hil.provenance import fingerprint_strings, provenance, write_json_atomic
+from hil.retrieval.encoding import eval_mode
 from hil.retrieval.index import encoder_fingerprint
 
 logger = logging.getLogger(__name__)
 
 # The experiment's settings classes are re-exported: an entry point imports what it needs from here.
-__all__ = ["BASELINE", "Column", "DatasetResult", "DatasetSpec", "Experiment", "ModelSpec", "StatisticsSettings",
-           "column_name", "run_experiment"]
+__all__ = ["BASELINE", "Column", "ColumnHooks", "DatasetResult", "DatasetRun", "DatasetSpec", "Experiment", "ModelSpec",
+           "StatisticsSettings", "column_name", "run_experiment"]
 
 
 
@@ -125,11 +128,32 @@ class Column:
                           self.record.get("details", {}))
 
 
+class ColumnHooks(Protocol):
+    """What an experiment measures beyond metrics (the paper: InterIso, each head's score matrix, figures), and
+    columns it derives from finished ones (the paper's ColBERT-lambda: the sum of two members' score matrices).
+
+    ``identity``: the hooks' settings for one dataset; part of every model column's identity, so that a column
+    whose extras were measured otherwise is recomputed. ``column_extras``: called for each model column computed in
+    this run (not for a kept one), with its evaluation and encoder (in eval mode); the keys it returns join the
+    column's record (they may not replace the runner's own) and it may write files beside it, named after the
+    column. ``derived_columns``: called once a dataset's columns are finished (baseline and models, kept or
+    computed); it keeps or computes each derived column through :meth:`DatasetRun.finished` /
+    :meth:`DatasetRun.save`, like the runner's own.
+    """
+
+    def identity(self, part: "DatasetRun") -> dict[str, Any]: ...
+
+    def column_extras(self, part: "DatasetRun", name: str, evaluation: Evaluation,
+                      encoder: Encoder) -> dict[str, Any]: ...
+
+    def derived_columns(self, part: "DatasetRun", columns: Sequence[Column]) -> list[Column]: ...
+
+
 class DatasetRun:
     """One dataset of an experiment: loads it, computes or keeps each column, writes its files."""
 
-    def __init__(self, experiment: Experiment, spec: DatasetSpec):
-        self.experiment, self.spec = experiment, spec
+    def __init__(self, experiment: Experiment, spec: DatasetSpec, hooks: ColumnHooks | None = None):
+        self.experiment, self.spec, self.hooks = experiment, spec, hooks
         self.folder = Path(experiment.output) if experiment.folders == "flat" else \
             Path(experiment.output) / spec.folder_key
         settings = experiment.settings
@@ -179,14 +203,19 @@ class DatasetRun:
         return record
 
     def save(self, name: str, evaluation: Evaluation, identity: dict[str, Any], model: dict[str, Any],
-             encoder: Encoder | None = None) -> Column:
-        """The run, then the column's record (its presence marks the column finished), both atomically."""
+             encoder: Encoder | None = None, extras: dict[str, Any] | None = None) -> Column:
+        """The run, then the column's record (its presence marks the column finished), both atomically;
+        ``extras``: more keys for the record (:class:`ColumnHooks`)."""
         self.folder.mkdir(parents=True, exist_ok=True)
         write_trec_run(self.folder / f"{name}.trec", evaluation.run, tag=name)
         record = provenance(self.experiment.command, identity=normalized(identity),
                             dataset=dataset_record(self.dataset), model=model, metrics=evaluation.aggregate,
                             per_query=evaluation.per_query,
                             details={k: v for k, v in evaluation.details.items() if k != "sources"})
+        clash = sorted(set(extras or {}) & set(record))
+        if clash:
+            raise ValueError(f"column extras may not replace the record's own keys: {clash}")
+        record.update(extras or {})
         write_json_atomic(self.folder / f"{name}.json", record)
         return Column(name, normalized(record), evaluation, encoder)
 
@@ -223,13 +252,15 @@ class DatasetRun:
         model = {"name": column, "source": spec.source, "fingerprint": fingerprint,
                  "architecture": encoder.architecture, "settings": encoder.settings(), "idf": spec.idf}
         identity = {"dataset": self.identity, "column": {"fingerprint": fingerprint}, "evaluation": evaluation_id}
+        if self.hooks is not None:
+            identity["extras"] = self.hooks.identity(self)
         record = self.finished(column, identity)
         if record is None:
             experiment.log(f"evaluate {column} on {self.dataset.name} ({len(self.dataset.queries)} queries, "
                            f"{len(self.dataset.corpus)} documents, {settings.mode})")
             with torch.inference_mode():
                 evaluation = evaluate(encoder, self.dataset, settings, name=column, candidates=self._candidates())
-            yield self.save(column, evaluation, identity, model, encoder)
+            yield self.save(column, evaluation, identity, model, encoder, self._extras(column, evaluation, encoder))
         else:
             yield Column(column, record)
         for transform in spec.transforms:
@@ -250,10 +281,16 @@ class DatasetRun:
             yield self.save(name, evaluation, transform_id, {**model, "name": name, "transform": fitted,
                                                              "settings": transformed.settings(),
                                                              "fingerprint": encoder_fingerprint(transformed)},
-                            transformed)
+                            transformed, self._extras(name, evaluation, transformed))
 
     def _candidates(self) -> dict[str, list[str]] | None:
         return self.candidates if self.settings.mode != "full" else None
+
+    def _extras(self, name: str, evaluation: Evaluation, encoder: Encoder) -> dict[str, Any] | None:
+        if self.hooks is None:
+            return None
+        with eval_mode(encoder), torch.inference_mode():
+            return self.hooks.column_extras(self, name, evaluation, encoder)
 
 
 def set_corpus_idf(encoder: Encoder, dataset: BeirDataset, source: str) -> None:
@@ -308,15 +345,15 @@ def paired_comparisons(columns: Sequence[Column], baseline: str | None,
     return pairs + [(name, plain) for name, plain in transforms_of.items() if name in names]
 
 
-def run_experiment(experiment: Experiment,
-                   on_dataset: Callable[[DatasetResult], None] | None = None) -> list[DatasetResult]:
+def run_experiment(experiment: Experiment, on_dataset: Callable[[DatasetResult], None] | None = None,
+                   hooks: ColumnHooks | None = None) -> list[DatasetResult]:
     """Measure ``experiment`` (see the module docstring); -> each dataset's result, in order. Models are loaded once
     (before any dataset, so that a model that cannot be read fails first); ``on_dataset`` sees each dataset's result
-    as it is finished."""
+    as it is finished; ``hooks`` add measurements and derived columns (:class:`ColumnHooks`)."""
     encoders = {spec.column: load_model(spec, experiment.seed) for spec in experiment.models}
     results = []
     for spec in experiment.datasets:
-        part = DatasetRun(experiment, spec)
+        part = DatasetRun(experiment, spec, hooks)
         columns = []
         baseline = part.baseline()
         if baseline is not None:
@@ -330,6 +367,10 @@ def run_experiment(experiment: Experiment,
                 columns.append(column)
                 if column.name != plain:
                     transforms_of[column.name] = plain
+        for column in hooks.derived_columns(part, columns) if hooks is not None else ():
+            if any(column.name == seen.name for seen in columns):
+                raise UserError(f"two columns are named {column.name!r} on {spec.name}; name the models")
+            columns.append(column)
         result = finish_dataset(experiment, part, columns, baseline.name if baseline else None, transforms_of)
         results.append(result)
         if on_dataset is not None:

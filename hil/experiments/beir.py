@@ -44,6 +44,7 @@ from typing import Any
 from transformers.utils import logging as transformers_logging
 
 from hil.data.errors import OneLineArgumentParser, UserError, exit_status
+from hil.data.option_files import parse_with_option_files
 from hil.evaluation.evaluate import MODES, EvaluationSettings
 from hil.evaluation.runner import (DatasetResult, DatasetSpec, Experiment, ModelSpec, StatisticsSettings,
                                    run_experiment)
@@ -228,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_with_option_files(build_parser(), argv)
     if args.quiet:
         transformers_logging.disable_progress_bar()
     return exit_status(PROG, lambda: run(args))

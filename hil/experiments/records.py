@@ -46,15 +46,23 @@ SIGNIFICANCE_FAMILY = "every model (BM25 included) compared with ColBERT on one 
 Results = dict[str, dict[str, dict[str, Any]]]  # dataset key -> model name -> evaluation record
 
 
+def require_local(key: str) -> None:
+    """A re-ranking set is read locally with its run file, never from the hub: a :class:`MissingInputError` naming
+    where it was looked for when its folder is not there."""
+    _, where = DATASETS[key]
+    first_stage = FIRST_STAGES.get(key)
+    if first_stage is not None and resolve_dataset(where) is None:
+        raise MissingInputError(f"{where}: not found under ${DATA_DIR_ENV} (a re-ranking set, read locally with its "
+                                f"first-stage run {first_stage.run_file}; README, 'TREC DL 2019 and 2020': where "
+                                "its official files come from)")
+
+
 def load_dataset(key: str, profile: Profile) -> tuple[BeirDataset, Evaluation | None]:
     """A dataset of :data:`DATASETS`, sliced as the profile says, and for a re-ranking set its first stage
     (:data:`~hil.experiments.profiles.FIRST_STAGES`: the run file scored on the slice, its row named ``name``)."""
     _, where = DATASETS[key]
     first_stage = FIRST_STAGES.get(key)
-    if first_stage is not None and resolve_dataset(where) is None:  # read locally with its run, never from the hub
-        raise MissingInputError(f"{where}: not found under ${DATA_DIR_ENV} (a re-ranking set, read locally with its "
-                                f"first-stage run {first_stage.run_file}; README, 'TREC DL 2019 and 2020': where "
-                                "its official files come from)")
+    require_local(key)
     dataset = load_beir(where, judged_outside_corpus=first_stage.judged_outside_corpus if first_stage else "error",
                         relevance_level=first_stage.relevance_level if first_stage else 1)
     first = None if first_stage is None else evaluate_run_file(Path(dataset.source) / first_stage.run_file, dataset,
@@ -86,14 +94,26 @@ def machine() -> dict[str, Any]:
             "platform": platform.platform(), "python": platform.python_version(), "commit": git_commit()}
 
 
+# Files of the runner's dataset folders that are not a column's record.
+NOT_COLUMNS = ("metrics.json", "per_query.json")
+
+
 def load_results(out: Path) -> Results:
-    """Every finished evaluation of a run."""
+    """Every finished evaluation of a run (each column's ``<name>.json`` under ``eval/<dataset>/``)."""
     results: Results = {}
     for key in DATASETS:
         folder = out / "eval" / key
         if folder.is_dir():
-            results[key] = {path.stem: json.loads(path.read_text()) for path in sorted(folder.glob("*.json"))}
+            results[key] = {path.stem: json.loads(path.read_text()) for path in sorted(folder.glob("*.json"))
+                            if path.name not in NOT_COLUMNS}
     return results
+
+
+def dataset_name(record: dict[str, Any]) -> str | None:
+    """The dataset a column's record measured: the runner records the dataset (a mapping with its name), older
+    records its name."""
+    dataset = record.get("dataset")
+    return dataset.get("name") if isinstance(dataset, dict) else dataset
 
 
 def delta_inter_iso(inter_iso: dict[str, float]) -> float | None:
@@ -204,8 +224,8 @@ def modules(results: Results) -> dict[str, Any]:
 def other_data(results: Results, names: dict[str, str]) -> list[str]:
     """``<key>/<model> (<dataset>)`` for each evaluation that measured another dataset than ``names[key]`` (the
     deprecated DL19 pool, for one): a report must not show it under the current dataset's heading."""
-    return [f"{key}/{model} ({record.get('dataset')})" for key, models in results.items()
-            for model, record in models.items() if key in names and record.get("dataset") not in (None, names[key])]
+    return [f"{key}/{model} ({dataset_name(record)})" for key, models in results.items()
+            for model, record in models.items() if key in names and dataset_name(record) not in (None, names[key])]
 
 
 def lengths_by_dataset(results: Results, profile: Profile) -> dict[str, dict[str, int]]:

@@ -50,6 +50,7 @@ from hil.data.beir import BeirDataset, load_beir, load_collection_tsv, load_topi
 from hil.data.bm25 import BM25Index
 from hil.data.errors import MissingInputError, OneLineArgumentParser, UserError, exit_status
 from hil.data.id_texts import integer_id
+from hil.data.option_files import parse_with_option_files
 from hil.data.run_examples import read_qrels
 from hil.evaluation.evaluate import EvaluationSettings, document_store
 from hil.evaluation.runs import ranked
@@ -302,7 +303,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_with_option_files(build_parser(), argv)
     if args.quiet:
         transformers_logging.disable_progress_bar()
     def make_and_report() -> int:
