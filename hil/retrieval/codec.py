@@ -20,6 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from hil.retrieval.devices import canonical_device
+
 NBITS = (1, 2, 4, 8)
 # Rows compressed / decompressed at once when streaming a memmap (bounds the fp32 temporaries).
 _BLOCK = 1 << 15
@@ -75,28 +77,25 @@ class ResidualCodec:
         return out
 
     # -- decompress -------------------------------------------------------------------------------------------
-    def _byte_table(self) -> torch.Tensor:
-        """(256, 8 / nbits) float32: the residual weights encoded by every byte value."""
-        table = self.__dict__.get("_table")
-        if table is None:
+    def device_tables(self, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        """What decompression reads, on ``device`` (built on first use, cached per device): the residual weights
+        encoded by every byte value (256, 8 / nbits) float32, and the centroids (C, D) float32."""
+        device = canonical_device(device)
+        cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = self.__dict__.setdefault("_tables", {})
+        if device not in cache:
             values = np.arange(256, dtype=np.uint16)[:, None]
             shifts = np.arange(self.per_byte, dtype=np.uint16) * self.nbits
             buckets = (values >> shifts) & ((1 << self.nbits) - 1)  # (256, per_byte)
-            table = torch.from_numpy(self.weights.astype(np.float32)[buckets])
-            self.__dict__["_table"] = table
-        return table
-
-    def torch_centroids(self) -> torch.Tensor:
-        cached = self.__dict__.get("_centroids_t")
-        if cached is None:
-            cached = torch.from_numpy(np.ascontiguousarray(self.centroids, dtype=np.float32))
-            self.__dict__["_centroids_t"] = cached
-        return cached
+            cache[device] = (torch.from_numpy(self.weights.astype(np.float32)[buckets]).to(device),
+                             torch.from_numpy(np.ascontiguousarray(self.centroids, dtype=np.float32)).to(device))
+        return cache[device]
 
     def decompress_torch(self, codes: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-        """codes (n,) int64, packed (n, packed_bytes) uint8 -> (n, D) float32 L2-normalized vectors."""
-        residual = self._byte_table()[packed.long()].reshape(len(packed), self.dim)  # (n, D)
-        vectors = self.torch_centroids().index_select(0, codes.long()) + residual
+        """codes (n,) integer, packed (n, packed_bytes) uint8, both on one device -> (n, D) float32 L2-normalized
+        vectors, computed on that device."""
+        byte_table, centroids = self.device_tables(packed.device)
+        residual = byte_table[packed.long()].reshape(len(packed), self.dim)  # (n, D)
+        vectors = centroids.index_select(0, codes.long()) + residual
         return torch.nn.functional.normalize(vectors, p=2, dim=-1)
 
     def decompress(self, codes: np.ndarray, packed: np.ndarray) -> np.ndarray:
@@ -143,11 +142,13 @@ class CompressedEmbeddings:
     def __len__(self) -> int:
         return len(self.codes)
 
-    def rows_torch(self, rows: torch.Tensor) -> torch.Tensor:
-        """Decompress rows given as an int64 tensor. -> (len(rows), D) float32."""
-        rows_np = rows.numpy()
-        codes = torch.from_numpy(np.asarray(self.codes[rows_np]).astype(np.int64))
-        packed = torch.from_numpy(np.ascontiguousarray(self.packed[rows_np]))
+    def rows_torch(self, rows: torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
+        """Decompress rows given as an int64 tensor, on ``device`` (default the CPU): only the rows' centroid ids
+        and packed bytes (``packed_bytes + 4`` bytes a token) are copied there. -> (len(rows), D) float32."""
+        device = canonical_device(device) if device is not None else torch.device("cpu")
+        rows_np = rows.cpu().numpy()
+        codes = torch.from_numpy(np.asarray(self.codes[rows_np]).astype(np.int32)).to(device)
+        packed = torch.from_numpy(np.ascontiguousarray(self.packed[rows_np])).to(device)
         return self.codec.decompress_torch(codes, packed)
 
     def __getitem__(self, key: Any) -> np.ndarray:

@@ -98,3 +98,12 @@ def faiss_gpu_for(device: torch.device) -> int | None:
         logger.warning("FAISS sees %d GPU(s) (faiss-cpu installed? `pip install hil[gpu]` for faiss-gpu): the index "
                        "is searched on the CPU; the encoder stays on %s", count, device)
     return None
+
+
+def canonical_device(device: torch.device | str) -> torch.device:
+    """``device`` with its index filled in (``cuda`` -> ``cuda:<current>``): a GPU has one spelling, so tables cached
+    per device are uploaded once per GPU, and a tensor's ``.device`` (always indexed) compares equal to it."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device

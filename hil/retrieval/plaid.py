@@ -24,22 +24,31 @@ Choices (the papers give the idea; the numbers here are ours, measured on SciFac
 - Stage 2 replaces PLAID's score threshold by a fixed count (``stage2_docs``): its cost is then bounded per query
   whatever the corpus, and a count is easier to reason about than a score threshold across models.
 - Documents with no stored token score 0 at every stage, as in Eq. 1 with an empty document.
+
+Where it runs: every stage is torch on one device (:func:`plaid_candidates`' ``device``, by default the query's,
+i.e. the encoder's): the plan's arrays are uploaded there once per opened index (:meth:`CentroidPlan.tables`), and
+only scalar sizes reach the host before the caller takes the ``ndocs`` documents. The centroid scores are one
+exact torch product on that device, not a FAISS search (faiss-gpu or not): stage 3 reads the score of *every*
+centroid, which a k-nearest-centroid search would not give. The same code runs on the CPU and on a GPU; on the
+CPU it gives the numbers of the numpy implementation it replaced (``tests/test_plaid_device.py``).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
 
 from hil.modeling.scoring import masked_max
-from hil.retrieval.store import length_blocks, padded_rows
+from hil.retrieval.devices import canonical_device
 
 # Rows of the (n_tokens, D) table handled at once when assigning codes: bounds the fp32 copy (16 MiB at D=128).
 _ASSIGN_BLOCK = 1 << 15
+# Rows of a plan's table copied to a device at once (bounds the host temporary: 64 MiB of int32 codes).
+_UPLOAD_BLOCK = 1 << 24
 
 
 def default_n_centroids(n_tokens: int) -> int:
@@ -125,6 +134,28 @@ def build_ivf(codes: np.ndarray, doc_offsets: np.ndarray, n_centroids: int) -> t
     return offsets, (keys % max(n_docs, 1)).astype(np.int32)
 
 
+@dataclass(frozen=True)
+class PlanTables:
+    """A :class:`CentroidPlan`'s arrays as tensors on one device: what every search stage reads."""
+
+    centroids: torch.Tensor    # (C, D) float32
+    codes: torch.Tensor        # (n_tokens,) int32 centroid of each stored token (4 bytes a token on a GPU)
+    ivf_offsets: torch.Tensor  # (C + 1,) int64
+    ivf_docs: torch.Tensor     # (E,) int32
+    doc_offsets: torch.Tensor  # (n_docs + 1,) int64
+
+
+def _upload(array: np.ndarray, dtype: type[np.generic], device: torch.device, block: int = _UPLOAD_BLOCK
+            ) -> torch.Tensor:
+    """``array`` (a memmap is fine) as a tensor of ``dtype`` on ``device``, converted and copied in blocks of
+    ``block`` rows: no whole-table temporary on the host (the codes of a large corpus take gigabytes)."""
+    out = torch.empty(array.shape, dtype=torch.from_numpy(np.empty(0, dtype=dtype)).dtype, device=device)
+    for start in range(0, len(array), block):
+        part = torch.from_numpy(np.ascontiguousarray(array[start: start + block], dtype=dtype))
+        out[start: start + len(part)] = part.to(device)
+    return out
+
+
 @dataclass
 class CentroidPlan:
     """One head's pruning structure: centroids, every token's centroid, and the centroid -> documents lists."""
@@ -139,14 +170,29 @@ class CentroidPlan:
     def n_centroids(self) -> int:
         return int(self.centroids.shape[0])
 
-    def torch_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The centroids and codes as (cached) tensors: (C, D) float32 and (n_tokens,) int64."""
-        cached = self.__dict__.get("_tables")
-        if cached is None:
-            cached = (torch.from_numpy(np.ascontiguousarray(self.centroids, dtype=np.float32)),
-                      torch.from_numpy(np.asarray(self.codes).astype(np.int64)))
-            self.__dict__["_tables"] = cached
-        return cached
+    @property
+    def n_tokens(self) -> int:
+        return int(len(self.codes))
+
+    def tables(self, device: torch.device | str = "cpu") -> PlanTables:
+        """The plan's arrays on ``device``, uploaded on first use and cached with the plan (which the opened index
+        keeps): one copy per device and index opening, none per query."""
+        device = canonical_device(device)
+        cache: dict[torch.device, PlanTables] = self.__dict__.setdefault("_tables", {})
+        if device not in cache:
+            cache[device] = PlanTables(_upload(self.centroids, np.float32, device),
+                                       _upload(self.codes, np.int32, device),
+                                       _upload(self.ivf_offsets, np.int64, device),
+                                       _upload(self.ivf_docs, np.int32, device),
+                                       _upload(self.doc_offsets, np.int64, device))
+        return cache[device]
+
+
+def _on(values: torch.Tensor | np.ndarray, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``values`` as a tensor on ``device`` (a tensor already there is returned as is)."""
+    if not isinstance(values, torch.Tensor):
+        values = torch.from_numpy(np.asarray(values))
+    return values.to(device=device, dtype=dtype)
 
 
 def probe_cells(centroid_scores: torch.Tensor, nprobe: int) -> torch.Tensor:
@@ -156,76 +202,120 @@ def probe_cells(centroid_scores: torch.Tensor, nprobe: int) -> torch.Tensor:
 
 
 def cell_scores(plan: CentroidPlan, centroid_scores: torch.Tensor, cells: torch.Tensor
-                ) -> tuple[np.ndarray, np.ndarray]:
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Stage 1 and 2: candidate documents and their probed-cells lower bound of the centroid interaction.
 
     For query token i and a document d owning a token in a probed centroid, ``m_i(d) = max_{c in probe(i), d in
     ivf(c)} q_i . C_c``; the bound is ``sum_i m_i(d)`` over the tokens that reached d (the others add nothing).
-    centroid_scores (Lq, C), cells (Lq, nprobe) -> (docs (N,) int64 ascending, bound (N,) float32).
+    centroid_scores (Lq, C), cells (Lq, nprobe) -> (docs (N,) int64 ascending, bound (N,) float32), on
+    ``centroid_scores``' device, where every step runs.
     """
+    device = centroid_scores.device
+    tables = plan.tables(device)
     n_tokens_q, nprobe = cells.shape
-    flat_cells = cells.reshape(-1).numpy()
-    starts, ends = plan.ivf_offsets[flat_cells], plan.ivf_offsets[flat_cells + 1]
-    sizes = ends - starts
-    if sizes.sum() == 0:
-        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32)
+    flat_cells = cells.reshape(-1)
+    starts = tables.ivf_offsets[flat_cells]
+    sizes = tables.ivf_offsets[flat_cells + 1] - starts  # (Lq * nprobe,) documents listed under each probe
+    n_entries = int(sizes.sum())  # one scalar crosses to the host: the size of what follows
+    if n_entries == 0:
+        return (torch.zeros(0, dtype=torch.int64, device=device),
+                torch.zeros(0, dtype=centroid_scores.dtype, device=device))
     # Every (probed cell, document) entry: its document and the query token / score it came with.
-    entry_doc = plan.ivf_docs[np.repeat(starts - np.cumsum(sizes) + sizes, sizes) + np.arange(sizes.sum())]
-    entry_token = np.repeat(np.repeat(np.arange(n_tokens_q), nprobe), sizes)
-    probe_scores = centroid_scores.gather(1, cells).reshape(-1).numpy()  # (Lq * nprobe,)
-    entry_score = np.repeat(probe_scores, sizes)
-    docs, doc_of_entry = np.unique(entry_doc, return_inverse=True)
+    list_start = torch.cumsum(sizes, 0) - sizes  # where each probe's entries begin among all entries
+    positions = (torch.repeat_interleave(starts - list_start, sizes, output_size=n_entries)
+                 + torch.arange(n_entries, device=device))
+    entry_doc = tables.ivf_docs[positions]
+    token_of_probe = torch.arange(n_tokens_q, device=device).repeat_interleave(nprobe)
+    entry_token = torch.repeat_interleave(token_of_probe, sizes, output_size=n_entries)
+    probe_scores = centroid_scores.gather(1, cells).reshape(-1)  # (Lq * nprobe,)
+    entry_score = torch.repeat_interleave(probe_scores, sizes, output_size=n_entries)
+    docs, doc_of_entry = torch.unique(entry_doc, sorted=True, return_inverse=True)
     # max over the cells of one (token, doc) pair, then sum over tokens: a scatter-max into (Lq, N), then a sum.
-    best = torch.full((n_tokens_q * len(docs),), -torch.inf)
-    best.scatter_reduce_(0, torch.from_numpy(entry_token * len(docs) + doc_of_entry),
-                         torch.from_numpy(entry_score.astype(np.float32)), reduce="amax")
+    best = torch.full((n_tokens_q * len(docs),), -torch.inf, dtype=entry_score.dtype, device=device)
+    best.scatter_reduce_(0, entry_token * len(docs) + doc_of_entry, entry_score, reduce="amax")
     best = best.view(n_tokens_q, len(docs))
     bound = torch.where(torch.isinf(best), torch.zeros_like(best), best).sum(dim=0)
-    return docs.astype(np.int64), bound.numpy()
+    return docs.long(), bound
 
 
-def centroid_interaction(plan: CentroidPlan, centroid_scores: torch.Tensor, docs: np.ndarray, *,
-                         block_elements: int = 1 << 22) -> np.ndarray:
+def _length_blocks(sorted_lengths: torch.Tensor, budget: int) -> Iterator[tuple[slice, int]]:
+    """:func:`hil.retrieval.store.length_blocks` on the lengths' device: consecutive blocks of ascending lengths
+    whose padded size ``count * longest`` (an empty item counts 1) fits ``budget``, greedy, at least one item each.
+    -> (block, its longest length): two scalars cross to the host per block, no array."""
+    start, n = 0, len(sorted_lengths)
+    while start < n:
+        window = sorted_lengths[start: start + budget].clamp(min=1)
+        padded = torch.arange(1, len(window) + 1, device=window.device) * window  # nondecreasing
+        count = max(1, int((padded <= budget).sum()))
+        yield slice(start, start + count), int(window[count - 1])
+        start += count
+
+
+def _padded_rows(doc_offsets: torch.Tensor, docs: torch.Tensor, lengths: torch.Tensor, width: int,
+                 last_row: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`hil.retrieval.store.padded_rows` on the tables' device: token rows of ``docs`` padded to ``width``
+    (padding repeats a stored row, masked afterwards). -> rows (N, width) int64, mask (N, width) bool."""
+    starts = doc_offsets[docs]
+    positions = torch.arange(width, device=docs.device)
+    mask = positions[None, :] < lengths[:, None]
+    rows = torch.where(mask, starts[:, None] + positions[None, :], starts.clamp(max=last_row)[:, None])
+    return rows, mask
+
+
+def centroid_interaction(plan: CentroidPlan, centroid_scores: torch.Tensor, docs: torch.Tensor | np.ndarray, *,
+                         block_elements: int = 1 << 22) -> torch.Tensor:
     """Stage 3: ``sum_i max_j q_i . C_{c(j)}`` over every stored token j of each document (PLAID Eq. 3).
 
-    centroid_scores (Lq, C), docs (N,) -> (N,) float32. Documents are taken in length-sorted blocks of at most
-    ``block_elements`` (N_b * Lmax * Lq) looked-up scores, so padding and memory stay small.
+    centroid_scores (Lq, C), docs (N,) -> (N,) float32 on ``centroid_scores``' device, where every step runs.
+    Documents are taken in length-sorted blocks of at most ``block_elements`` (N_b * Lmax * Lq) looked-up scores,
+    so padding and memory stay small.
     """
-    docs = np.asarray(docs, dtype=np.int64)
-    out = np.zeros(len(docs), dtype=np.float32)
-    if len(docs) == 0 or len(plan.codes) == 0:  # no stored token at all: every document scores 0
+    device = centroid_scores.device
+    docs = _on(docs, device, torch.int64)
+    out = torch.zeros(len(docs), dtype=torch.float32, device=device)
+    if len(docs) == 0 or plan.n_tokens == 0:  # no stored token at all: every document scores 0
         return out
-    _, codes = plan.torch_tables()
+    tables = plan.tables(device)
     table = centroid_scores.t().contiguous()  # (C, Lq): one row per centroid, read by code
     n_q = table.shape[1]
-    lengths = plan.doc_offsets[docs + 1] - plan.doc_offsets[docs]
-    order = np.argsort(lengths, kind="stable")
-    for start, end in length_blocks(lengths[order], max(1, block_elements // n_q)):
-        block = order[start:end]
-        rows, mask = padded_rows(plan.doc_offsets, docs[block])  # (Nb, Lmax) each
-        sims = table[codes[rows]].transpose(1, 2)  # (Nb, Lq, Lmax): the centroid score of every token pair
-        out[block] = masked_max(sims, mask[:, None, :]).sum(dim=1).numpy()  # Eq. 3, (Nb, Lq) summed over Lq
+    lengths = tables.doc_offsets[docs + 1] - tables.doc_offsets[docs]
+    order = torch.argsort(lengths, stable=True)
+    for block, width in _length_blocks(lengths[order], max(1, block_elements // max(1, n_q))):
+        picked = order[block]
+        rows, mask = _padded_rows(tables.doc_offsets, docs[picked], lengths[picked], width, plan.n_tokens - 1)
+        sims = table[tables.codes[rows]].transpose(1, 2)  # (Nb, Lq, Lmax): the centroid score of every token pair
+        out[picked] = masked_max(sims, mask[:, None, :]).sum(dim=1)  # Eq. 3, (Nb, Lq) summed over Lq
     return out
 
 
-def top_by_score(docs: np.ndarray, scores: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
-    """The ``count`` best documents by score (ties: lower document number first), in ascending document order."""
+def top_by_score(docs: torch.Tensor | np.ndarray, scores: torch.Tensor | np.ndarray, count: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``count`` best documents by score (ties: lower document number first), in their given (ascending)
+    order, on ``scores``' device. -> (docs, scores) tensors."""
+    scores = _on(scores, scores.device if isinstance(scores, torch.Tensor) else torch.device("cpu"))
+    docs = _on(docs, scores.device)
     if len(docs) <= count:
         return docs, scores
-    keep = np.lexsort((docs, -scores))[:count]
-    keep.sort()
+    by_doc = torch.argsort(docs, stable=True)
+    by_score = by_doc[torch.argsort(scores[by_doc], descending=True, stable=True)]  # score, then document
+    keep = torch.sort(by_score[:count]).values
     return docs[keep], scores[keep]
 
 
 def plaid_candidates(plan: CentroidPlan, query: torch.Tensor, *, nprobe: int, ndocs: int,
-                     stage2_docs: int | None = None) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
-    """Stages 1-3 for one query. query (Lq, D) float32 (its scored tokens) -> (docs (<= ndocs,) ascending,
-    their centroid-interaction scores, counts per stage).
+                     stage2_docs: int | None = None, device: torch.device | str | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+    """Stages 1-3 for one query. query (Lq, D) (its scored tokens) -> (docs (<= ndocs,) int64 ascending, their
+    centroid-interaction scores (float32), counts per stage).
 
-    ``stage2_docs`` (default ``4 * ndocs``) documents survive the probed-cells bound into stage 3.
+    ``stage2_docs`` (default ``4 * ndocs``) documents survive the probed-cells bound into stage 3. ``device``
+    (default: the query's) is where every stage runs and the returned tensors are: the plan's tables are uploaded
+    there once (:meth:`CentroidPlan.tables`), the query is moved there, and nothing but scalar sizes comes back
+    before the caller takes the result.
     """
-    centroids, _ = plan.torch_tables()
-    scores = query.float() @ centroids.T  # (Lq, C)
+    device = canonical_device(device) if device is not None else query.device
+    centroids = plan.tables(device).centroids
+    scores = query.to(device=device, dtype=torch.float32) @ centroids.T  # (Lq, C)
     cells = probe_cells(scores, nprobe)
     docs, bound = cell_scores(plan, scores, cells)
     n_probed = len(docs)

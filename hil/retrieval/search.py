@@ -30,6 +30,7 @@ from hil.modeling.contracts import EncodedBatch, Encoder
 from hil.retrieval.backends.base import Candidates
 from hil.retrieval.backends.configs import SearchConfig, with_search_values
 from hil.retrieval.backends.registry import open_backend
+from hil.retrieval.devices import resolve_device
 from hil.retrieval.encoding import encode_document_tokens, eval_mode
 from hil.retrieval.index import TokenIndex
 from hil.retrieval.integrity import (check_finite_queries, check_finite_scores, check_finite_vectors,
@@ -194,7 +195,8 @@ def full_rank(encoder: Encoder, index: TokenIndex, queries: dict[str, str], *, k
               search: SearchConfig | None = None, batch_size: int = 64, use_gpu: bool = False, gpu_device: int = 0,
               block_tokens: int = 1 << 14, keep_candidate_sources: bool = False, progress: bool = True,
               skip_self: bool = False, ncandidates: int | None = None, max_candidates: int | None = None,
-              nprobe: int | None = None, stage2_docs: int | None = None) -> SearchResult:
+              nprobe: int | None = None, stage2_docs: int | None = None,
+              device: torch.device | str | None = None) -> SearchResult:
     """End-to-end retrieval: the back-end's candidate documents (union over heads) -> exact ``encoder.score``
     -> top ``k``.
 
@@ -206,7 +208,8 @@ def full_rank(encoder: Encoder, index: TokenIndex, queries: dict[str, str], *, k
     token's best retrieved similarity in the document: a ColBERT-style lower bound of MaxSim, a choice of ours).
     A ``plaid`` index (centroid pruning, :mod:`hil.retrieval.plaid`): each query token probes ``nprobe`` centroids,
     ``stage2_docs`` documents survive the probed-cells bound, and each head keeps its ``max_candidates`` (``ndocs``)
-    best documents by centroid interaction; the union over heads is scored exactly.
+    best documents by centroid interaction; the union over heads is scored exactly. Its stages run on ``device``
+    (``auto``, ``cpu``, ``cuda[:N]``; None: the encoder's device).
 
     ``stats`` records the settings as the back-end used them (``search``: read back after the search).
     """
@@ -222,7 +225,8 @@ def full_rank(encoder: Encoder, index: TokenIndex, queries: dict[str, str], *, k
         fields = {"ncandidates": ncandidates, "max_candidates": max_candidates, "nprobe": nprobe,
                   "stage2_docs": stage2_docs}
     search = with_search_values(kind, search, fields)
-    backend = open_backend(index, search, use_gpu=use_gpu, gpu_device=gpu_device)
+    backend = open_backend(index, search, use_gpu=use_gpu, gpu_device=gpu_device,
+                           device=None if device is None else resolve_device(device))
     overlap = _HeadOverlap(heads)
     run: dict[str, dict[str, float]] = {}
     sources: dict[str, dict[str, tuple[str, ...]]] = {}

@@ -164,7 +164,7 @@ def gather_documents(store: TokenStore, doc_indices: Sequence[int] | np.ndarray,
         if flat_rows is None:
             return torch.zeros((n, width, int(array.shape[1])), dtype=torch.float32, device=device)
         if isinstance(array, CompressedEmbeddings):
-            return zero_padding(array.rows_torch(flat_rows).view(n, width, -1).to(device))
+            return zero_padding(array.rows_torch(flat_rows, device=device).view(n, width, -1))
         return read(store.torch_view(head), torch.float32)
 
     encoded = {head: read_vectors(head) for head in (heads if heads is not None else store.head_names)}

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Sequence
 
 import numpy as np
+import torch
 
 from hil.data.errors import UserError
 from hil.modeling.contracts import EncodedBatch
@@ -43,7 +44,8 @@ class SearchBackend(ABC):
     Class attributes: ``kind`` (the registry name, recorded in ``index.json``), ``index_config`` (its build-time
     settings class), ``search_config`` (its search-time settings class) and ``stores_files`` (False when the
     structure is rebuilt in memory from the vectors). ``search`` is applied to every search of this instance;
-    ``use_gpu`` / ``gpu_device`` say where FAISS searches (where faiss-gpu sees that GPU).
+    ``use_gpu`` / ``gpu_device`` say where FAISS searches (where faiss-gpu sees that GPU); ``device`` where torch
+    search stages run (PLAID's; None: where the query vectors are, i.e. the encoder's device).
     """
 
     kind: ClassVar[str]
@@ -52,11 +54,12 @@ class SearchBackend(ABC):
     stores_files: ClassVar[bool] = True
 
     def __init__(self, index: TokenIndex, search: SearchConfig | None = None, *, use_gpu: bool = False,
-                 gpu_device: int = 0):
+                 gpu_device: int = 0, device: torch.device | None = None):
         self.index = index
         self.search = check_search(self.kind, search)
         self.use_gpu = use_gpu
         self.gpu_device = gpu_device
+        self.device = device
 
     # -- building (class methods: the index is not open yet) -----------------------------------------------------
     @classmethod

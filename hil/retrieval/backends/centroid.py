@@ -4,7 +4,9 @@ The math (k-means centroids, inverted file, probed-cells bound, centroid interac
 :mod:`hil.retrieval.plaid`; the optional ColBERTv2 residual compression in :mod:`hil.retrieval.codec`. This
 module owns the settings, the files (``<head>.centroids/codes/ivf_offsets/ivf_docs[/residuals].npy``) and the
 per-query candidate search: each head keeps its ``ndocs`` best documents by centroid interaction, and the union
-over heads goes to exact scoring.
+over heads goes to exact scoring. The search runs on the back-end's ``device`` (by default the query vectors', i.e.
+the encoder's): a GPU encoder's queries are searched on its GPU, the plan's arrays uploaded there once per opened
+index.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
+import torch
 
 from hil.data.errors import UserError
 from hil.modeling.contracts import EncodedBatch
@@ -20,7 +23,7 @@ from hil.provenance import atomic_output
 from hil.retrieval.backends.base import Candidates, SearchBackend
 from hil.retrieval.backends.configs import IndexConfig, PlaidIndexConfig, PlaidSearchConfig
 from hil.retrieval.codec import NBITS, CompressedEmbeddings, ResidualCodec, fit_residual_codec
-from hil.retrieval.index import DOC_OFFSETS_NPY, TokenIndex, embeddings_path, plaid_paths, save_npy_atomic
+from hil.retrieval.index import DOC_OFFSETS_NPY, embeddings_path, plaid_paths, save_npy_atomic
 from hil.retrieval.integrity import check_finite_vectors, load_npy, rebuild_hint
 from hil.retrieval.plaid import (CentroidPlan, assign_codes, build_ivf, code_dtype, default_n_centroids,
                                  plaid_candidates, sample_rows, train_centroids)
@@ -137,13 +140,19 @@ class PlaidBackend(SearchBackend):
         mask = queries.mask[row].bool()
         per_head = []
         for head in heads:
-            vectors = queries.heads[head][row][mask].float().cpu()  # (Lq', D) scored query tokens
+            vectors = queries.heads[head][row][mask]  # (Lq', D) scored query tokens, on the encoder's device
             docs, _, _ = plaid_candidates(self.plan(head), vectors, nprobe=self.search.nprobe,
-                                          ndocs=self.search.ndocs, stage2_docs=self.search.stage2_docs)
-            per_head.append(docs)
+                                          ndocs=self.search.ndocs, stage2_docs=self.search.stage2_docs,
+                                          device=self.search_device(vectors))
+            per_head.append(docs.cpu().numpy())  # the one copy back: at most ndocs document numbers
         union = np.unique(np.concatenate(per_head)) if per_head else np.zeros(0, dtype=np.int64)
         flags = np.stack([np.isin(union, docs, assume_unique=True) for docs in per_head], axis=1)  # (U, H)
         return Candidates(union, flags)
+
+    def search_device(self, queries: torch.Tensor) -> torch.device:
+        """Where the stages run: the back-end's ``device`` when it was opened with one, else where the query
+        vectors are (the encoder's device: a GPU encoder searches on its GPU)."""
+        return self.device if self.device is not None else queries.device
 
     def search_stats(self) -> dict[str, Any]:
         """The three stages' settings as passed to :func:`~hil.retrieval.plaid.plaid_candidates` (it clips
