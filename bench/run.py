@@ -32,6 +32,8 @@ Sections (``--sections``, comma-separated; default all):
             re-encoded): plaid build seconds, bytes, peak RSS and search latency at each size
     peer    PyLate's ColBERT over the same backbone, lengths, batch size and threads encodes the same documents
             (in ``--peer-python``); ratio of documents/s against ours
+    peer-search  (only when named) PyLate's PLAID (fast-plaid) and WARP (xtr-warp-rs) indexes on the same model,
+            corpus and queries (in ``--peer-python``): p50/p95 per query and nDCG@10 beside ours, time ratios
 
 Layout: this file plans the children, runs them and prints the table; each section is a module of
 ``bench/sections/`` (its options as a dataclass, its jobs, what a child measures, its table rows), and

@@ -3,8 +3,9 @@ what GradCache costs.
 
     python bench/training_throughput.py                                   # CPU, the shared tiny BERT
     python bench/training_throughput.py --model all-MiniLM-L6-v2 --device cuda --documents 512 --steps 20
+    python bench/training_throughput.py --sweeps peer --model all-MiniLM-L6-v2 --peer-python /tmp/pylate-venv/bin/python
 
-Two sweeps, each configuration in a fresh child process (so its peak memory -- ``ru_maxrss`` on CPU,
+Sweeps (``--sweeps``; nway and gradcache by default), each configuration in a fresh child process (so its peak memory -- ``ru_maxrss`` on CPU,
 ``torch.cuda.max_memory_allocated`` on a GPU -- is its own):
 
 - ``nway``: ``--documents`` documents a step (the memory a step needs grows with the documents encoded, so equal
@@ -14,6 +15,10 @@ Two sweeps, each configuration in a fresh child process (so its peak memory -- `
 - ``gradcache``: one large batch (``--large-queries`` x ``--large-nway``) computed whole, then with GradCache in
   chunks of each ``--chunks`` texts: seconds a step and peak memory (GradCache encodes every text twice, once
   without a graph; its point is the memory).
+- ``peer`` (``--sweeps peer``): ColBERT with in-batch negatives (``InBatchCE``) against PyLate's ``Contrastive``
+  (the same objective) in ``--peer-python`` (``bench/peer_train_pylate.py``), on the same triples at
+  ``--peer-batch`` queries, the same lengths and threads, ``--peer-rounds`` times alternating; the best round of
+  each and ``ratio_vs_pylate`` = our queries/s / PyLate's (above 1: ours faster).
 
 Every step is forward + backward + AdamW step through ``RetrieverModule.compute_loss`` (what training runs), on
 texts from the shared MS MARCO triples (real lengths). The first ``--warmup`` steps are not timed. Timings are only
@@ -69,7 +74,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
 
     from hil.modeling.encoder import ColBERTEncoder
     from hil.modeling.hil import HILEncoder
-    from hil.modeling.losses import KLDistillation, NWayCE
+    from hil.modeling.losses import InBatchCE, KLDistillation, NWayCE
     from hil.modeling.module import RetrieverModule
 
     torch.manual_seed(spec["seed"])
@@ -77,7 +82,10 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     device = torch.device(spec["device"])
     encoder_class = HILEncoder if spec["arch"] == "hil" else ColBERTEncoder
     encoder = encoder_class(backbone=spec["model"], query_maxlen=spec["query_maxlen"], doc_maxlen=spec["doc_maxlen"])
-    loss = KLDistillation(heads="each" if spec["arch"] == "hil" else "sum") if spec["loss"] == "kl" else NWayCE()
+    if spec["loss"] == "kl":
+        loss = KLDistillation(heads="each" if spec["arch"] == "hil" else "sum")
+    else:
+        loss = InBatchCE() if spec["loss"] == "inbatch" else NWayCE()
     module = RetrieverModule(encoder, loss, gradcache_chunk_size=spec["chunk"]).to(device)
     module.train()
     optimizer = torch.optim.AdamW(module.parameters(), lr=3e-6)
@@ -114,12 +122,63 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
     raise RuntimeError(f"measurement {spec} failed:\n{done.stderr[-3000:]}")
 
 
+PEER_SCRIPT = HERE / "peer_train_pylate.py"
+PEER_PROTOCOL = 1
+
+
+def call_peer(python: str, script: Path, arguments: list[str]) -> dict[str, Any]:
+    """Run the peer script in ``python``; its JSON line (protocol checked)."""
+    done = subprocess.run([python, str(script), *arguments], capture_output=True, text=True)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise RuntimeError(f"PyLate did not run in {python} (exit {done.returncode}): {tail[0][:300]}")
+    found = json.loads(lines[-1])
+    if found.get("protocol") != PEER_PROTOCOL:
+        raise RuntimeError(f"peer protocol {found.get('protocol')!r}, expected {PEER_PROTOCOL}")
+    return found
+
+
+def peer_comparison(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The best round of each side (most queries/s, as the encoding peer keeps the best rate) and
+    ``ratio_vs_pylate`` = our queries/s / PyLate's (above 1: ours faster)."""
+    best_ours = max(ours, key=lambda row: row["queries_per_s"])
+    best_theirs = max(theirs, key=lambda row: row["queries_per_s"])
+    return {"ours": best_ours, "pylate": best_theirs,
+            "ratio_vs_pylate": best_ours["queries_per_s"] / best_theirs["queries_per_s"], "rounds": len(ours)}
+
+
+def peer_sweep(args: argparse.Namespace, base: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Ours (ColBERT, InBatchCE) and PyLate's Contrastive on the same batches, alternating ``--peer-rounds``
+    times: the rows of the table and the comparison."""
+    import tempfile
+
+    from hil.paths import resolve_model
+
+    spec = {**base, "arch": "colbert", "loss": "inbatch", "queries": args.peer_batch, "nway": 2, "chunk": None}
+    steps = [{key: batch[key] for key in ("queries", "positives", "negatives")}
+             for batch in batches(args.peer_batch, 2, args.warmup + args.steps, args.seed)]  # what measure() trains on
+    ours, theirs = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "batches.json"
+        path.write_text(json.dumps(steps))
+        arguments = ["--model", resolve_model(args.model), "--batches", str(path), "--query-length",
+                     str(args.query_maxlen), "--document-length", str(args.doc_maxlen), "--threads", str(args.threads),
+                     "--warmup", str(args.warmup), "--seed", str(args.seed), "--device", base["device"]]
+        for _ in range(args.peer_rounds):
+            ours.append({"sweep": "peer", **run_child(spec)})
+            theirs.append({"sweep": "peer-pylate", "chunk": None, **call_peer(args.peer_python, PEER_SCRIPT,
+                                                                              arguments)})
+    comparison = peer_comparison(ours, theirs)
+    return [comparison["ours"], comparison["pylate"]], comparison
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--model", default="bert-tiny-splade")
     parser.add_argument("--arch", choices=("colbert", "hil"), default="colbert")
-    parser.add_argument("--loss", choices=("kl", "nway"), default="kl")
+    parser.add_argument("--loss", choices=("kl", "nway", "inbatch"), default="kl")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda")
     parser.add_argument("--documents", type=int, default=64, help="documents a step in the n-way sweep")
     parser.add_argument("--nway", type=int, nargs="+", default=[2, 8, 32])
@@ -133,6 +192,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default=str(HERE / "results" / "training_throughput.json"))
+    parser.add_argument("--sweeps", nargs="+", choices=("nway", "gradcache", "peer"), default=["nway", "gradcache"])
+    parser.add_argument("--peer-python", default=sys.executable, help="a Python with PyLate (peer sweep)")
+    parser.add_argument("--peer-batch", type=int, default=32, help="queries a step in the peer sweep (triples)")
+    parser.add_argument("--peer-rounds", type=int, default=1, help="ours then PyLate's, this many times")
     args = parser.parse_args(argv)
     if args.one:
         print(RESULT_PREFIX + json.dumps(measure(json.loads(args.one))))
@@ -144,21 +207,29 @@ def main(argv: list[str] | None = None) -> int:
             "query_maxlen": args.query_maxlen, "doc_maxlen": args.doc_maxlen, "steps": args.steps,
             "warmup": args.warmup, "threads": args.threads}
     rows = []
-    for n in args.nway:
+    for n in args.nway if "nway" in args.sweeps else ():
         if args.documents % n:
             parser.error(f"--documents {args.documents} is not a multiple of N = {n}")
         rows.append({"sweep": "nway", **run_child({**base, "queries": args.documents // n, "nway": n, "chunk": None})})
-    for chunk in (None, *args.chunks):
+    for chunk in (None, *args.chunks) if "gradcache" in args.sweeps else ():
         rows.append({"sweep": "gradcache", **run_child({**base, "queries": args.large_queries,
                                                         "nway": args.large_nway, "chunk": chunk})})
+    comparison = None
+    if "peer" in args.sweeps:
+        found, comparison = peer_sweep(args, base)
+        rows += found
     print(f"{'sweep':<10} {'B':>4} {'N':>4} {'chunk':>6} {'s/step':>8} {'queries/s':>10} {'docs/s':>9} {'peak MB':>9}")
     for row in rows:
         print(f"{row['sweep']:<10} {row['queries']:>4} {row['nway']:>4} {str(row['chunk']):>6} "
               f"{row['s_per_step']:>8.3f} {row['queries_per_s']:>10.1f} {row['documents_per_s']:>9.1f} "
               f"{row['peak_memory_mb']:>9.0f}")
+    if comparison:
+        print(f"peer: ours (InBatchCE) / PyLate (Contrastive) queries/s x{comparison['ratio_vs_pylate']:.2f} "
+              f"(above 1: ours faster; best of {comparison['rounds']} round(s); pylate "
+              f"{comparison['pylate']['pylate']}, torch {comparison['pylate']['torch']})")
     from hil.provenance import provenance, write_json_atomic
 
-    write_json_atomic(args.output, provenance(vars(args) | {"device": device}, rows=rows,
+    write_json_atomic(args.output, provenance(vars(args) | {"device": device}, rows=rows, peer=comparison,
                                               machine=platform.platform()))
     return 0
 

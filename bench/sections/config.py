@@ -18,13 +18,15 @@ from sections import index as index_section
 from sections import memory as memory_section
 from sections import peak as peak_section
 from sections import peer as peer_section
+from sections import peer_search as peer_search_section
 from sections import search as search_section
 from sections import train as train_section
 from sections.options import SECTIONS, CommonConfig, RunConfig, add_options, from_dict, from_namespace
 
 SECTION_MODULES: dict[str, ModuleType] = {
     "peak": peak_section, "encode": encode_section, "index": index_section, "search": search_section,
-    "train": train_section, "growth": growth_section, "peer": peer_section, "memory": memory_section}
+    "train": train_section, "growth": growth_section, "peer": peer_section,
+    "peer-search": peer_search_section, "memory": memory_section}
 assert tuple(SECTION_MODULES) == SECTIONS
 
 
@@ -41,6 +43,7 @@ class BenchConfig:
     train: train_section.Config = field(default_factory=train_section.Config)
     growth: growth_section.Config = field(default_factory=growth_section.Config)
     peer: peer_section.Config = field(default_factory=peer_section.Config)
+    peer_search: peer_search_section.Config = field(default_factory=peer_search_section.Config)
     memory: memory_section.Config = field(default_factory=memory_section.Config)
 
     def record(self) -> dict[str, Any]:
@@ -84,6 +87,7 @@ def make_config(args: argparse.Namespace) -> BenchConfig:
         config = quick(config)
     check_sections(config.run.sections)
     index_section.check(config.index)
+    peer_search_section.check(config.peer_search)
     name = config.run.name or f"{config.common.dataset}-{Path(config.common.model).name}" + \
         ("-quick" if config.run.quick else "")
     return replace(config, run=replace(config.run, name=name))

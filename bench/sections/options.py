@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 BENCH = Path(__file__).resolve().parents[1]  # the bench/ folder
-SECTIONS = ("peak", "encode", "index", "search", "train", "growth", "peer", "memory")  # the order they run in
+SECTIONS = ("peak", "encode", "index", "search", "train", "growth", "peer", "peer-search", "memory")  # run order
+# Run only when named in --sections: peer-search builds PyLate's own indexes over the whole corpus in another Python.
+DEFAULT_SECTIONS = tuple(section for section in SECTIONS if section != "peer-search")
 
 
 def option(flag: str, default: Any, help: str | None = None, *, type: Callable[[str], Any] | None = None,
@@ -93,8 +95,8 @@ class RunConfig:
     name: str | None = option("--name", None, "results name (default: <dataset>-<model>[-quick])")
     output: str | None = option("--output", None, "JSON path (default bench/results/<name>.json)")
     quick: bool = option("--quick", False, "a < 3 min run: few documents and queries", switch=True)
-    sections: tuple[str, ...] = option("--sections", SECTIONS, f"comma-separated subset of {SECTIONS}",
-                                       type=comma_list)
+    sections: tuple[str, ...] = option("--sections", DEFAULT_SECTIONS, f"comma-separated subset of {SECTIONS} "
+                                       "(default: all but peer-search)", type=comma_list)
     section_timeout: float | None = option("--section-timeout", None, "seconds per child (default none)",
                                            type=float)
     p_adjust: str = option("--p-adjust", "holm", "multiple-comparison adjustment of the search variants' paired "
