@@ -95,3 +95,22 @@ def test_the_analysis_report_searches_plaid_from_an_option_file(tiny_model_dir, 
     assert record["details"]["backend"]["params"]["n_centroids"] == 16
     search = record["details"]["search_stats"]["search"]  # read back from the back-end after the search
     assert (search["backend"], search["ndocs"], search["stage2_docs"]) == ("plaid", 64, 32)
+
+
+def test_the_readme_option_file_commands_resolve(tmp_path, capsys):
+    """The README's `hil <command> ... --print_config > FILE` lines write files that `--config FILE` reads back."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    lines = [line for block in re.findall(r"```bash\n(.*?)```", readme, flags=re.S) for line in block.splitlines()
+             if line.startswith("hil ") and "--print_config >" in line]
+    assert len(lines) >= 2
+    for line in lines:
+        command, target = line.split(" > ")
+        argv = shlex.split(command)[1:]
+        resolved = printed([a for a in argv if a != "--print_config"], capsys)
+        path = tmp_path / target.strip()
+        path.write_text(yaml.safe_dump(resolved))
+        assert printed([argv[0], "--config", str(path)], capsys) == resolved, line
