@@ -165,6 +165,8 @@ def figures(out: Path, results: Results) -> dict[str, str]:
                     series[label(name) + (f" {head}" if heads else "")] = saved[head].astype(np.float32)
     if series:
         made["fig2"] = str(plot_cosine_distributions(series, folder / "fig2_cosines.png").relative_to(out))
+    elif (folder / "fig2_cosines.png").is_file():  # a published report (no score files): the figure as drawn
+        made["fig2"] = str((folder / "fig2_cosines.png").relative_to(out))
     overlaps = {label(name): results[figure_key][name]["overlap"] for name in ("lambda", "hil")
                 if name in results[figure_key] and results[figure_key][name].get("overlap")}
     if overlaps:
