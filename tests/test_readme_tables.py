@@ -51,7 +51,7 @@ def test_a_changed_results_file_makes_the_readme_stale_until_written(tmp_path, c
     assert "paper-cpu-fidelity differ" in capsys.readouterr().err
     assert main(["--root", str(root), "--write"]) == 0
     assert main(["--root", str(root)]) == 0
-    assert "| ColBERT-HIL (paper recipe) | 62.33 (+0.80, p 0.51) |" in (root / README).read_text()
+    assert "| ColBERT-HIL (paper recipe) | 62.33 (+0.80, p 0.51, holm 1) |" in (root / README).read_text()
 
 
 def summary_fixture() -> dict:
