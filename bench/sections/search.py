@@ -37,6 +37,8 @@ class Config:
     queries: int | None = option("--search-queries", None, "queries timed (default: all judged)", type=int)
     v1_queries: int = option("--v1-queries", 20, "queries timed for ColBERT v1 flat search")
     ncandidates: int = option("--ncandidates", 256, "ColBERT v1: hits per query token")
+    encode_queries: str = option("--encode-queries", "fp32", "index variants: queries encoded by the model (fp32) "
+                                 "or ONNX Runtime's fused fp32 graph (onnx)", choices=("fp32", "onnx"))
 
     def options(self) -> dict[str, int]:
         """The search-time settings given (``full_rank``'s names)."""
@@ -118,13 +120,19 @@ def run(config: BenchConfig, job: Job) -> dict[str, Any]:
         out.update(ndcg10=float(evaluate_bm25(dataset).aggregate["ndcg@10"]), variant="bm25")
     else:
         index, _ = variant_index(config, base, name)
-        run_, times, stats = latencies(encoder, index, queries, k, **config.search.options())
+        options: dict[str, Any] = dict(config.search.options())
+        if config.search.encode_queries == "onnx":
+            from hil.retrieval.onnx_encode import onnx_query_encoder
+
+            options["query_encoder"] = onnx_query_encoder(encoder)
+        run_, times, stats = latencies(encoder, index, queries, k, **options)
         ndcg10, per_query = ndcg(dataset, run_)
         out.update(percentiles(times), ndcg10=ndcg10, overlap10_vs_exact=overlap(exact_path, run_),
                    ndcg10_vs_exact=paired_difference(exact_ndcg_path, per_query),
                    candidates_mean=stats.get("candidates_mean"),
                    plaid=stats.get("plaid"), bytes_per_token=index.bytes_per_token(),
-                   encode_s=stats.get("encode_s"), ann_s=stats.get("ann_s"), score_s=stats.get("score_s"))
+                   encode_s=stats.get("encode_s"), ann_s=stats.get("ann_s"), score_s=stats.get("score_s"),
+                   query_encoding=config.search.encode_queries)
     out["peak_rss_mb"] = peak_rss_mb()
     return out
 

@@ -123,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "matrix products, ~2x PyLate's speed on a CPU (bench/README has its nDCG@10 cost); "
                              "onnx = the same runtime in fp32; int8 = PyTorch SmoothQuant int8; "
                              "compile = torch.compile")
+    parser.add_argument("--encode-queries", choices=("fp32", "onnx"), default="fp32",
+                        help="full ranking on a CPU: onnx encodes the queries through ONNX Runtime's fused fp32 graph "
+                             "(the same vectors to float rounding, ~1.6x faster per query here)")
     parser.add_argument("--verify-index", choices=("auto", "sizes", "full"), default="auto",
                         help="how a reused index's files are checked against what index.json recorded: sizes always, "
                              "SHA-256 checksums too for indexes up to 1 GiB (auto), always (full) or never (sizes)")
@@ -178,6 +181,7 @@ def settings_from(args: argparse.Namespace) -> EvaluationSettings:
         index_root=args.index_root, backend=backend, search=search,
         rerank_depth=args.rerank_depth or 100, batch_size=args.batch_size,
         document_encoding=None if args.encode_documents == "fp32" else args.encode_documents,
+        query_encoding=None if args.encode_queries == "fp32" else args.encode_queries,
         progress=not args.quiet, device=args.device, precision=args.precision, processes=args.processes,
         faiss_gpu=args.faiss_gpu, verify_index=args.verify_index)
 

@@ -40,6 +40,7 @@ from hil.retrieval.devices import PRECISIONS, autocast, check_precision, faiss_g
 from hil.retrieval.encoding import encode_document_tokens, eval_mode
 from hil.retrieval.index import TokenIndex, encoder_fingerprint
 from hil.retrieval.integrity import check_verify
+from hil.retrieval.onnx_encode import QUERY_ENCODINGS, onnx_query_encoder
 from hil.retrieval.search import SearchResult, exact_rank, exhaustive_scores, full_rank, rank_matrix, rerank
 from hil.retrieval.store import TokenStore
 
@@ -72,6 +73,9 @@ class EvaluationSettings:
         batch_size, query_batch_size: documents / queries per encoding batch.
         document_encoding: encode the corpus through a cheaper encoder (``"onnx-int8"``, ...; queries keep the
             model), in an index folder of its own.
+        query_encoding: full ranking on a CPU: encode the queries through ONNX Runtime (``"onnx"``: fused fp32,
+            the same vectors to float rounding; :func:`hil.retrieval.onnx_encode.onnx_query_encoder`), for search
+            latency. None: the model itself.
         keep_candidate_sources: record which heads retrieved every first-stage candidate (full mode).
         keep_head_scores: exhaustive mode: keep each head's dense (queries, documents) score matrix.
         progress: progress bars.
@@ -102,6 +106,7 @@ class EvaluationSettings:
     batch_size: int = 32
     query_batch_size: int = 64
     document_encoding: str | None = None
+    query_encoding: str | None = None
     keep_candidate_sources: bool = False
     keep_head_scores: bool = False
     progress: bool = True
@@ -121,6 +126,12 @@ class EvaluationSettings:
             raise UserError("full ranking searches an index: give index_root")
         if self.keep_head_scores and self.mode != "exhaustive":
             raise UserError("keep_head_scores needs mode='exhaustive' (dense score matrices)")
+        if self.query_encoding is not None:
+            if self.query_encoding not in QUERY_ENCODINGS:
+                raise UserError(f"query_encoding must be one of {QUERY_ENCODINGS} or None (got {self.query_encoding!r})")
+            if self.mode != "full":
+                raise UserError("query_encoding is a full-ranking (search latency) setting; mode is "
+                                f"{self.mode!r}")
         for name in ("k", "rerank_depth", "batch_size", "query_batch_size", "processes", "ncandidates"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -287,9 +298,17 @@ def _search(encoder: Encoder, dataset: BeirDataset, store: TokenStore | None, se
             raise ValueError("full ranking searches an index on disk (a TokenIndex), not documents held in memory")
         gpu = faiss_on_gpu(settings, encoder.device)
         options: dict[str, Any] = {} if gpu is None else {"use_gpu": True, "gpu_device": gpu}
-        return full_rank(encoder, store, queries, k=k, search=settings.resolved_search, progress=progress,
-                         batch_size=settings.query_batch_size, keep_candidate_sources=settings.keep_candidate_sources,
-                         skip_self=skip_self, **options), None
+        if settings.query_encoding is not None:
+            if encoder.device.type != "cpu":
+                raise UserError(f"query_encoding {settings.query_encoding!r} runs on the CPU; the model is on "
+                                f"{encoder.device}")
+            options["query_encoder"] = onnx_query_encoder(encoder)
+        result = full_rank(encoder, store, queries, k=k, search=settings.resolved_search, progress=progress,
+                           batch_size=settings.query_batch_size, keep_candidate_sources=settings.keep_candidate_sources,
+                           skip_self=skip_self, **options)
+        if "query_encoder" in options:  # what encoded the queries, as it described itself
+            result.stats["query_encoding"] = dict(options["query_encoder"].backbone.description)
+        return result, None
     if settings.mode == "rerank":
         texts = None if store is not None else {doc_id: dataset.doc_text(doc_id) for docs in candidates.values()
                                                 for doc_id in docs}

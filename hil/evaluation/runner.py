@@ -103,6 +103,8 @@ def evaluation_identity(settings: EvaluationSettings, baseline: dict[str, Any], 
                                 "document_encoding": settings.document_encoding}
     if settings.mode == "full":
         identity.update(backend=settings.backend.record(), search=settings.resolved_search.record())
+        if settings.query_encoding is not None:  # only when set: identities made before it existed stay valid
+            identity["query_encoding"] = settings.query_encoding
     if settings.mode == "rerank" or baseline.get("run_file"):
         identity.update(rerank_depth=depth, first_stage=baseline)
     return identity

@@ -236,4 +236,23 @@ def onnx_document_encoder(encoder: MultiVectorEncoder, mode: str = "onnx-int8", 
     return DocumentEncoderView(view, {**backbone.description, **settings})
 
 
-__all__ = ["ONNX_MODES", "OnnxBackbone", "onnx_backbone", "onnx_document_encoder", "export_backbone"]
+QUERY_ENCODINGS = ("onnx",)
+
+
+def onnx_query_encoder(encoder: MultiVectorEncoder) -> MultiVectorEncoder:
+    """A view of ``encoder`` that encodes queries through ONNX Runtime's fused fp32 backbone (same vectors to float
+    rounding: ~5e-7 here), for search latency on a CPU: one 32-token query goes through eager PyTorch as ~120
+    small kernels whose dispatch dominates, where the fused graph runs a few per layer (bench/README.md, search).
+    Only fp32: a query is 32 tokens, so int8's per-call activation scale would be set by very few tokens, and
+    queries are what every document is scored against. The view shares the encoder's heads, tokenizer and word
+    embeddings; it scores exactly as the encoder does, and is only ever used to encode queries."""
+    if torch.device(encoder.device).type != "cpu":
+        raise ValueError("ONNX query encoding runs on the CPU only; on a GPU queries are encoded by PyTorch")
+    view = copy.copy(encoder)
+    view._modules = dict(encoder._modules)  # copy.copy shares the module dict; give the view its own
+    view.backbone = onnx_backbone(encoder.backbone, "onnx")
+    return view
+
+
+__all__ = ["ONNX_MODES", "OnnxBackbone", "QUERY_ENCODINGS", "onnx_backbone", "onnx_document_encoder",
+           "onnx_query_encoder", "export_backbone"]

@@ -196,7 +196,7 @@ def full_rank(encoder: Encoder, index: TokenIndex, queries: dict[str, str], *, k
               block_tokens: int = 1 << 14, keep_candidate_sources: bool = False, progress: bool = True,
               skip_self: bool = False, ncandidates: int | None = None, max_candidates: int | None = None,
               nprobe: int | None = None, stage2_docs: int | None = None,
-              device: torch.device | str | None = None) -> SearchResult:
+              device: torch.device | str | None = None, query_encoder: Encoder | None = None) -> SearchResult:
     """End-to-end retrieval: the back-end's candidate documents (union over heads) -> exact ``encoder.score``
     -> top ``k``.
 
@@ -209,7 +209,9 @@ def full_rank(encoder: Encoder, index: TokenIndex, queries: dict[str, str], *, k
     A ``plaid`` index (centroid pruning, :mod:`hil.retrieval.plaid`): each query token probes ``nprobe`` centroids,
     ``stage2_docs`` documents survive the probed-cells bound, and each head keeps its ``max_candidates`` (``ndocs``)
     best documents by centroid interaction; the union over heads is scored exactly. Its stages run on ``device``
-    (``auto``, ``cpu``, ``cuda[:N]``; None: the encoder's device).
+    (``auto``, ``cpu``, ``cuda[:N]``; None: the encoder's device). ``query_encoder``: encodes the queries instead
+    of ``encoder`` (a faster runtime of the same model, :func:`hil.retrieval.onnx_encode.onnx_query_encoder`);
+    documents are always scored by ``encoder``.
 
     ``stats`` records the settings as the back-end used them (``search``: read back after the search).
     """
@@ -238,7 +240,7 @@ def full_rank(encoder: Encoder, index: TokenIndex, queries: dict[str, str], *, k
         for batch_start in range(0, len(qids), batch_size):
             batch_qids = qids[batch_start: batch_start + batch_size]
             with _timed(timings, "encode_s"):
-                encoded = encoder.encode_queries(texts[batch_start: batch_start + batch_size])
+                encoded = (query_encoder or encoder).encode_queries(texts[batch_start: batch_start + batch_size])
             # Before the ANN search: FAISS never returns a NaN neighbour, so NaN queries would rank nothing.
             check_finite_queries(encoded, batch_qids, encoder.architecture)
             with _timed(timings, "ann_s"):  # retrieve
