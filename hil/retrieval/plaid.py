@@ -42,7 +42,6 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from hil.modeling.scoring import masked_max
 from hil.retrieval.devices import canonical_device
 
 # Rows of the (n_tokens, D) table handled at once when assigning codes: bounds the fp32 copy (16 MiB at D=128).
@@ -282,9 +281,13 @@ def centroid_interaction(plan: CentroidPlan, centroid_scores: torch.Tensor, docs
     order = torch.argsort(lengths, stable=True)
     for block, width in _length_blocks(lengths[order], max(1, block_elements // max(1, n_q))):
         picked = order[block]
-        rows, mask = _padded_rows(tables.doc_offsets, docs[picked], lengths[picked], width, plan.n_tokens - 1)
-        sims = table[tables.codes[rows]].transpose(1, 2)  # (Nb, Lq, Lmax): the centroid score of every token pair
-        out[picked] = masked_max(sims, mask[:, None, :]).sum(dim=1)  # Eq. 3, (Nb, Lq) summed over Lq
+        rows, _ = _padded_rows(tables.doc_offsets, docs[picked], lengths[picked], width, plan.n_tokens - 1)
+        sims = table[tables.codes[rows]]  # (Nb, Lmax, Lq): the centroid score of every token pair
+        # No mask: a document's padding repeats its own first token, and a max is unchanged by a repeated element
+        # (one pass over the largest tensor of the search saved, and no transposed copy). Only an empty document,
+        # whose padding is another document's token, is set to 0 afterwards, as the masked max gave it.
+        best = sims.amax(dim=1).sum(dim=1)  # Eq. 3: max over the document's tokens, summed over Lq
+        out[picked] = torch.where(lengths[picked] > 0, best, torch.zeros_like(best))
     return out
 
 
