@@ -133,15 +133,33 @@ def build_ivf(codes: np.ndarray, doc_offsets: np.ndarray, n_centroids: int) -> t
     return offsets, (keys % max(n_docs, 1)).astype(np.int32)
 
 
+def distinct_doc_codes(ivf_offsets: np.ndarray, ivf_docs: np.ndarray, n_docs: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each document's distinct centroids, ascending: the inverted file read by document instead of by centroid
+    (its entries are exactly the distinct (centroid, document) pairs). -> (doc_codes (E,) int32, doc_code_offsets
+    (n_docs + 1,) int64): document d's centroids are ``doc_codes[doc_code_offsets[d]: doc_code_offsets[d + 1]]``.
+
+    Why: stage 3's ``max_j q_i . C_{c(j)}`` over a document's tokens is the max over its distinct centroids, and a
+    document repeats centroids a lot (SciFact, MiniLM, 8,192 centroids: 454,310 distinct of 815,632 tokens, 56%),
+    so centroid interaction reads about half the scores for the same values. Costs one stable sort of the E
+    entries at the first search of an opened index.
+    """
+    cells = np.repeat(np.arange(len(ivf_offsets) - 1, dtype=np.int32), np.diff(ivf_offsets))
+    order = np.argsort(ivf_docs, kind="stable")  # by document; centroids stay ascending within one
+    offsets = np.zeros(n_docs + 1, dtype=np.int64)
+    np.cumsum(np.bincount(ivf_docs, minlength=n_docs), out=offsets[1:])
+    return cells[order], offsets
+
+
 @dataclass(frozen=True)
 class PlanTables:
     """A :class:`CentroidPlan`'s arrays as tensors on one device: what every search stage reads."""
 
-    centroids: torch.Tensor    # (C, D) float32
-    codes: torch.Tensor        # (n_tokens,) int32 centroid of each stored token (4 bytes a token on a GPU)
-    ivf_offsets: torch.Tensor  # (C + 1,) int64
-    ivf_docs: torch.Tensor     # (E,) int32
-    doc_offsets: torch.Tensor  # (n_docs + 1,) int64
+    centroids: torch.Tensor         # (C, D) float32
+    doc_codes: torch.Tensor         # (E,) int32 each document's distinct centroids (distinct_doc_codes)
+    doc_code_offsets: torch.Tensor  # (n_docs + 1,) int64
+    ivf_offsets: torch.Tensor       # (C + 1,) int64
+    ivf_docs: torch.Tensor          # (E,) int32
+    doc_offsets: torch.Tensor       # (n_docs + 1,) int64
 
 
 def _upload(array: np.ndarray, dtype: type[np.generic], device: torch.device, block: int = _UPLOAD_BLOCK
@@ -179,8 +197,13 @@ class CentroidPlan:
         device = canonical_device(device)
         cache: dict[torch.device, PlanTables] = self.__dict__.setdefault("_tables", {})
         if device not in cache:
+            if "_doc_codes" not in self.__dict__:  # on the host once, whatever the devices
+                self.__dict__["_doc_codes"] = distinct_doc_codes(self.ivf_offsets, self.ivf_docs,
+                                                                 len(self.doc_offsets) - 1)
+            doc_codes, doc_code_offsets = self.__dict__["_doc_codes"]
             cache[device] = PlanTables(_upload(self.centroids, np.float32, device),
-                                       _upload(self.codes, np.int32, device),
+                                       _upload(doc_codes, np.int32, device),
+                                       _upload(doc_code_offsets, np.int64, device),
                                        _upload(self.ivf_offsets, np.int64, device),
                                        _upload(self.ivf_docs, np.int32, device),
                                        _upload(self.doc_offsets, np.int64, device))
@@ -277,16 +300,18 @@ def centroid_interaction(plan: CentroidPlan, centroid_scores: torch.Tensor, docs
     tables = plan.tables(device)
     table = centroid_scores.t().contiguous()  # (C, Lq): one row per centroid, read by code
     n_q = table.shape[1]
-    lengths = tables.doc_offsets[docs + 1] - tables.doc_offsets[docs]
+    # A document's distinct centroids stand for its tokens: the max over them is the max over its tokens.
+    offsets = tables.doc_code_offsets
+    lengths = offsets[docs + 1] - offsets[docs]
     order = torch.argsort(lengths, stable=True)
     for block, width in _length_blocks(lengths[order], max(1, block_elements // max(1, n_q))):
         picked = order[block]
-        rows, _ = _padded_rows(tables.doc_offsets, docs[picked], lengths[picked], width, plan.n_tokens - 1)
-        sims = table[tables.codes[rows]]  # (Nb, Lmax, Lq): the centroid score of every token pair
-        # No mask: a document's padding repeats its own first token, and a max is unchanged by a repeated element
-        # (one pass over the largest tensor of the search saved, and no transposed copy). Only an empty document,
-        # whose padding is another document's token, is set to 0 afterwards, as the masked max gave it.
-        best = sims.amax(dim=1).sum(dim=1)  # Eq. 3: max over the document's tokens, summed over Lq
+        rows, _ = _padded_rows(offsets, docs[picked], lengths[picked], width, max(len(tables.doc_codes) - 1, 0))
+        sims = table[tables.doc_codes[rows]]  # (Nb, Lmax, Lq): the score of every (centroid, query token) pair
+        # No mask: a document's padding repeats its own first centroid, and a max is unchanged by a repeated
+        # element (one pass over the largest tensor of the search saved, and no transposed copy). Only an empty
+        # document, whose padding is another document's centroid, is set to 0 afterwards, as the masked max gave it.
+        best = sims.amax(dim=1).sum(dim=1)  # Eq. 3: max over the document's centroids, summed over Lq
         out[picked] = torch.where(lengths[picked] > 0, best, torch.zeros_like(best))
     return out
 
