@@ -161,7 +161,11 @@ def run(config: BenchConfig, job: Job) -> dict[str, Any]:
     index, ours_build_s = variant_index(config, base, settings.ours)
     queries = judged_queries(dataset, settings.queries)
     judged = replace(dataset, queries=queries, qrels={q: dataset.qrels[q] for q in queries})
-    options = config.search.options()  # --nprobe / --ndocs / --stage2-docs, as the search section passes them
+    options: dict[str, Any] = dict(config.search.options())  # --nprobe / --ndocs / --stage2-docs, as search does
+    if config.search.encode_queries == "onnx":  # --encode-queries onnx: queries through ONNX Runtime, as search does
+        from hil.retrieval.onnx_encode import onnx_query_encoder
+
+        options["query_encoder"] = onnx_query_encoder(encoder)
 
     def ours_search(qid: str, text: str) -> dict[str, float]:
         return full_rank(encoder, index, {qid: text}, k=common.k, batch_size=1, progress=False,
@@ -175,7 +179,8 @@ def run(config: BenchConfig, job: Job) -> dict[str, Any]:
     python = config.peer.python or sys.executable
     out: dict[str, Any] = {"queries": len(queries), "k": common.k, "threads": common.threads,
                            "warmup": settings.warmup, "rounds": settings.rounds, "ours_variant": settings.ours,
-                           "ours_search_options": options, "ours_structure_build_s": ours_build_s,
+                           "ours_search_options": config.search.options(), "ours_structure_build_s": ours_build_s,
+                           "ours_query_encoding": config.search.encode_queries,
                            "model": common.export or common.model, "peer_python": python}
     ours_times: list[float] = []
     peer_times: dict[str, list[float]] = {kind: [] for kind in settings.indexes}
