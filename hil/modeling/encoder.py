@@ -2,7 +2,8 @@
 
 ``ColBERTEncoder`` is ColBERT v1: ``normalize(W h_i)`` for each last-hidden-state vector ``h_i`` (no bias, as
 the original). Every encoder implements the ``Encoder`` contract (``hil.modeling.contracts``), so training,
-indexing and search do not care which model they hold.
+indexing and search do not care which model they hold. Its settings live in one frozen dataclass,
+``encoder.config`` (``hil.modeling.encoder_settings``); the constructor takes that dataclass's fields.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import json
 from abc import abstractmethod
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, ClassVar, Iterable, Literal
+from typing import Any, ClassVar, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -21,28 +22,23 @@ from transformers.utils import logging as hf_logging
 
 from hil.data.errors import UserError
 from hil.data.idf import IDFTable
-from hil.data.tokenization import DOC_MARKER, QUERY_MARKER, ColBERTTokenizer, TokenizedBatch
+from hil.data.tokenization import ColBERTTokenizer, TokenizedBatch
 from hil.modeling.contracts import EncodedBatch, Encoder
+from hil.modeling.encoder_settings import (HEAD_INITS, ColBERTSettings, EncoderSettings, HeadInit,
+                                           upgrade_settings)
 from hil.modeling.scoring import late_interaction, late_interaction_matrix
 from hil.paths import resolve_model
 from hil.provenance import provenance, write_json_atomic
 
 CONFIG_NAME = "hil_config.json"
 HEADS_NAME = "hil_heads.pt"
+# A backbone and its tokenizer already in memory (tests, views), instead of loading ``config.backbone``.
+LoadedBackbone = tuple[PreTrainedModel, PreTrainedTokenizerBase]
 
-HeadInit = Literal["bert", "torch"]
-HEAD_INITS: tuple[str, ...] = ("bert", "torch")
 
-
-def upgrade_settings(settings: dict[str, Any]) -> dict[str, Any]:
-    """Settings recorded by an older version, completed with the values that model was actually built with.
-
-    Exports and checkpoints written before ``attend_to_mask_tokens`` existed attended to the ``[MASK]`` padding:
-    they keep doing so (the new default, False, would silently change their query encodings).
-    """
-    upgraded = dict(settings)
-    upgraded.setdefault("attend_to_mask_tokens", True)
-    return upgraded
+def config_field(name: str) -> property:
+    """A read-only attribute that reads ``self.config.<name>`` (the names encoders had before ``config``)."""
+    return property(lambda self: getattr(self.config, name), doc=f"``config.{name}`` (read-only)")
 
 
 def init_head(layer: nn.Linear, how: HeadInit, std: float) -> None:
@@ -101,39 +97,45 @@ class MultiVectorEncoder(Encoder):
     """An encoder over a Hugging Face backbone (ColBERT, ColBERT-HIL): tokenizer, encoding, settings, export.
 
     Subclasses define ``embed`` (the heads) and the scores; this is what ``RetrieverModule`` trains and exports.
+    Each subclass names its settings dataclass (``config_class``) and takes its fields as constructor arguments,
+    positional in field order or by keyword: ``Sub(*args, _loaded=None, **settings)`` builds
+    ``SubSettings(*args, **settings)`` and passes it here. Written as that one call, the LightningCLI (jsonargparse's
+    AST resolver) lists every field of the dataclass as ``model.encoder.init_args.<field>``.
     """
 
     architecture: ClassVar[str]
     head_names: ClassVar[tuple[str, ...]]
+    config_class: ClassVar[type[EncoderSettings]] = EncoderSettings
+    config: EncoderSettings
 
-    def __init__(self, backbone: str = "bert-base-uncased", dim: int = 128, query_maxlen: int = 32,
-                 doc_maxlen: int = 180, query_marker: str = QUERY_MARKER, doc_marker: str = DOC_MARKER,
-                 mask_punctuation: bool = True, attend_to_mask_tokens: bool = False, head_init: HeadInit = "bert",
-                 _loaded: tuple[PreTrainedModel, PreTrainedTokenizerBase] | None = None):
+    def __init__(self, config: EncoderSettings, _loaded: LoadedBackbone | None = None):
         super().__init__()
-        if head_init not in HEAD_INITS:
-            raise ValueError(f"head_init must be one of {HEAD_INITS}, got {head_init!r}")
-        self.backbone_name = backbone
-        self.backbone, hf_tokenizer = _loaded if _loaded is not None else load_backbone(backbone)
-        self.tokenizer = ColBERTTokenizer(hf_tokenizer, query_maxlen, doc_maxlen, query_marker, doc_marker,
-                                          mask_punctuation, attend_to_mask_tokens)
-        self.dim = dim
-        self.head_init = head_init
+        if not isinstance(config, self.config_class):
+            raise TypeError(f"{type(self).__name__} takes a {self.config_class.__name__}, got {type(config).__name__}")
+        self.config = config
+        self.backbone, hf_tokenizer = _loaded if _loaded is not None else load_backbone(config.backbone)
+        self.tokenizer = ColBERTTokenizer(hf_tokenizer, **config.tokenizer_settings())
         self.hidden_size = int(self.backbone.config.hidden_size)
+
+    @classmethod
+    def from_config(cls, config: EncoderSettings, _loaded: LoadedBackbone | None = None) -> "MultiVectorEncoder":
+        """An encoder with the settings ``config`` (``dataclasses.replace(encoder.config, ...)`` for a variant)."""
+        return cls(**config.constructor_arguments(), _loaded=_loaded)
+
+    backbone_name = config_field("backbone")
+    dim = config_field("dim")
+    head_init = config_field("head_init")
 
     def init_heads(self, *layers: nn.Linear) -> None:
         """Initialize the projection heads as ``head_init`` says (see :func:`init_head`)."""
         std = float(getattr(self.backbone.config, "initializer_range", 0.02))
         for layer in layers:
-            init_head(layer, self.head_init, std)
+            init_head(layer, self.config.head_init, std)
 
     # -- what subclasses define (and ``score``, ``score_pairs``, ``score_heads`` of the contract) ------------------
     @abstractmethod
     def embed(self, batch: TokenizedBatch, is_query: bool) -> dict[str, Tensor]:
         """Head name -> (B, L, D) L2-normalized token embeddings."""
-
-    def extra_settings(self) -> dict[str, Any]:
-        return {}
 
     @property
     def needs_idf(self) -> bool:
@@ -156,8 +158,9 @@ class MultiVectorEncoder(Encoder):
         return EncodedBatch({k: v * keep for k, v in heads.items()}, batch.scoring_mask, batch.input_ids)
 
     def settings(self) -> dict[str, Any]:
-        return {"architecture": self.architecture, "backbone": self.backbone_name, "dim": self.dim,
-                **self.tokenizer.settings(), "head_init": self.head_init, **self.extra_settings()}
+        """``architecture`` and the flat settings record (``config.as_settings()``): what exports, checkpoints and
+        fingerprints hold, keys and values exactly as before settings had a dataclass."""
+        return {"architecture": self.architecture, **self.config.as_settings()}
 
     def save_pretrained(self, directory: str | Path, extra: dict[str, Any] | None = None) -> Path:
         """Write backbone + tokenizer (loadable by ``AutoModel.from_pretrained``), the heads and a settings JSON."""
@@ -200,29 +203,25 @@ def read_export_config(directory: Path) -> dict[str, Any]:
 class ColBERTEncoder(MultiVectorEncoder):
     """ColBERT v1: a bias-free linear projection of the last hidden state to ``dim``, then L2 normalization.
 
-    Defaults follow ColBERT v1: ``[MASK]`` query padding scored but not attended (``attend_to_mask_tokens``
-    False, see ``hil.data.tokenization``) and a BERT-style head initialization (``head_init`` "bert": normal,
-    std 0.02).
+    Arguments: the fields of :class:`~hil.modeling.encoder_settings.ColBERTSettings` (ColBERT v1's defaults:
+    ``[MASK]`` query padding scored but not attended, BERT-style head initialization), positional in field order
+    (``backbone`` first) or by keyword; ``_loaded``: a backbone and tokenizer already in memory.
     """
 
     architecture = "colbert"
     head_names = ("colbert",)
+    config_class = ColBERTSettings
+    config: ColBERTSettings
 
-    def __init__(self, backbone: str = "bert-base-uncased", dim: int = 128, query_maxlen: int = 32,
-                 doc_maxlen: int = 180, query_marker: str = QUERY_MARKER, doc_marker: str = DOC_MARKER,
-                 mask_punctuation: bool = True, attend_to_mask_tokens: bool = False, head_init: HeadInit = "bert",
-                 projection_bias: bool = False,
-                 _loaded: tuple[PreTrainedModel, PreTrainedTokenizerBase] | None = None):
-        super().__init__(backbone, dim=dim, query_maxlen=query_maxlen, doc_maxlen=doc_maxlen,
-                         query_marker=query_marker, doc_marker=doc_marker, mask_punctuation=mask_punctuation,
-                         attend_to_mask_tokens=attend_to_mask_tokens, head_init=head_init, _loaded=_loaded)
+    def __init__(self, *args: Any, _loaded: LoadedBackbone | None = None, **settings: Any):
+        # One call naming the dataclass: jsonargparse follows **settings into it, so the LightningCLI lists and
+        # type-checks every field (tests/test_encoder_settings.py).
+        super().__init__(ColBERTSettings(*args, **settings), _loaded=_loaded)
         # ColBERT v1/v2 project without a bias; a PyLate Dense layer may carry one (``bias=True``), kept when loaded.
-        self.projection_bias = bool(projection_bias)
-        self.linear = nn.Linear(self.hidden_size, self.dim, bias=self.projection_bias)
+        self.linear = nn.Linear(self.hidden_size, self.config.dim, bias=self.config.projection_bias)
         self.init_heads(self.linear)
 
-    def extra_settings(self) -> dict[str, Any]:
-        return {"projection_bias": True} if self.projection_bias else {}
+    projection_bias = config_field("projection_bias")
 
     def hidden_states(self, batch: TokenizedBatch) -> Tensor:
         return self.backbone(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state

@@ -29,9 +29,10 @@ Choices where the paper is silent:
   mode, ``score``, ``score_pairs``, indexing and search -- uses the running estimates, so a document's score never
   depends on the batch it is scored in. A fresh model's estimates are mean 0, std 1 (no normalization).
 
-The paper's text, the authors' released code and this package differ on several points; each is a setting (the
-defaults follow the paper; ``configs/variants/colbert_hil_authors.yaml`` selects the authors' code; the table with
-sources is in ``docs/fidelity.md``):
+The paper's text, the authors' released code and this package differ on several points; each is a setting, a field
+of ``HILSettings`` (``hil.modeling.encoder_settings``; the defaults follow the paper;
+``configs/variants/colbert_hil_authors.yaml`` selects the authors' code; the table with sources is in
+``docs/fidelity.md``):
 - ``lexical_input``: "word_embeddings" (the paper's "vocab embedding layer", read as above) or "embedding_output"
   (the authors' ``outputs.embedding_output``: word + position + token-type embeddings after LayerNorm).
 - ``idf_formula``: "bm25" (above) or "authors" (``ln(N / (1 + df))`` over the query collection, special tokens
@@ -50,32 +51,29 @@ sources is in ``docs/fidelity.md``):
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Literal, Sequence
+import dataclasses
+from typing import Any, Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from hil.data.idf import AUTHORS_FORMULA, IDFTable
-from hil.data.tokenization import DOC_MARKER, QUERY_MARKER, TokenizedBatch
+from hil.data.tokenization import TokenizedBatch
 from hil.modeling.contracts import EncodedBatch
 from hil.modeling.distributed import pooled_moments
-from hil.modeling.encoder import HeadInit, MultiVectorEncoder
-from hil.modeling.hil_scoring import (DEFAULT_EPS, batch_moments, hil_token_scores, lexical_query_mask,
-                                      per_query_moments, zscore_from_sums, zscored_late_interaction)
+from hil.modeling.encoder import LoadedBackbone, MultiVectorEncoder, config_field
+from hil.modeling.encoder_settings import (HIL_CHOICES, HIL_HEADS, HILSettings, IDFFormula, LexicalInput,
+                                           LexicalQueryTokens, ZScoreEval, ZScoreStd)
+from hil.modeling.hil_scoring import (batch_moments, hil_token_scores, lexical_query_mask, per_query_moments,
+                                      zscore_from_sums, zscored_late_interaction)
 from hil.modeling.scoring import sum_query_tokens
 
-HEADS = ("L", "H")
-LexicalInput = Literal["word_embeddings", "embedding_output"]
-IDFFormula = Literal["bm25", "authors"]
-LexicalQueryTokens = Literal["weighted", "all"]
-ZScoreStd = Literal["population", "unbiased"]
-ZScoreEval = Literal["running", "per_query"]
-CHOICES: dict[str, tuple[str, ...]] = {
-    "lexical_input": ("word_embeddings", "embedding_output"), "idf_formula": ("bm25", "authors"),
-    "lexical_query_tokens": ("weighted", "all"), "zscore_std": ("population", "unbiased"),
-    "zscore_eval": ("running", "per_query")}
+# The names this module had before the settings moved to ``hil.modeling.encoder_settings``.
+HEADS = HIL_HEADS
+CHOICES = HIL_CHOICES
+__all__ = ["CHOICES", "HEADS", "HILEncoder", "HILSettings", "IDFFormula", "LexicalInput", "LexicalQueryTokens",
+           "RunningMoments", "ZScoreEval", "ZScoreStd"]
 
 
 class RunningMoments(nn.Module):
@@ -114,55 +112,40 @@ class RunningMoments(nn.Module):
 class HILEncoder(MultiVectorEncoder):
     """ColBERT-HIL's encoder: heads ``L`` (lexical, isotropic) and ``H`` (contextual, anisotropic), see module doc.
 
+    Arguments: the fields of :class:`~hil.modeling.encoder_settings.HILSettings` (shared ones first, as
+    ``ColBERTEncoder``'s), positional in field order or by keyword; ``_loaded``: a backbone and tokenizer in memory.
     Buffers (saved in checkpoints and exports): ``idf`` (V,) weights, ``idf_documents`` (0 = uniform weights, no
     table set), ``zscore.L.*`` / ``zscore.H.*`` running mean / std / update count.
     """
 
     architecture = "hil"
     head_names = HEADS
+    config_class = HILSettings
+    config: HILSettings
 
-    def __init__(self, backbone: str = "bert-base-uncased", dim: int = 128, query_maxlen: int = 32,
-                 doc_maxlen: int = 180, query_marker: str = QUERY_MARKER, doc_marker: str = DOC_MARKER,
-                 mask_punctuation: bool = True, attend_to_mask_tokens: bool = False, head_init: HeadInit = "bert",
-                 lexical_input: LexicalInput = "word_embeddings", idf_formula: IDFFormula = "bm25",
-                 lexical_query_tokens: LexicalQueryTokens = "weighted", zscore_std: ZScoreStd = "population",
-                 zscore_eval: ZScoreEval = "running", zscore_detach: Sequence[str] = (),
-                 zscore_temperature: float | None = None, zscore_momentum: float = 0.1,
-                 zscore_eps: float = DEFAULT_EPS, idf_source: str | None = None,
-                 _loaded: tuple[PreTrainedModel, PreTrainedTokenizerBase] | None = None):
-        super().__init__(backbone, dim=dim, query_maxlen=query_maxlen, doc_maxlen=doc_maxlen,
-                         query_marker=query_marker, doc_marker=doc_marker, mask_punctuation=mask_punctuation,
-                         attend_to_mask_tokens=attend_to_mask_tokens, head_init=head_init, _loaded=_loaded)
-        if zscore_eps <= 0:
-            raise ValueError(f"zscore_eps must be > 0, got {zscore_eps}")
-        chosen = {"lexical_input": lexical_input, "idf_formula": idf_formula,
-                  "lexical_query_tokens": lexical_query_tokens, "zscore_std": zscore_std, "zscore_eval": zscore_eval}
-        for name, value in chosen.items():
-            if value not in CHOICES[name]:
-                raise ValueError(f"{name} must be one of {CHOICES[name]}, got {value!r}")
-        unknown = sorted(set(zscore_detach) - set(HEADS))
-        if unknown:
-            raise ValueError(f"zscore_detach lists unknown heads {unknown}; the heads are {list(HEADS)}")
-        if zscore_temperature is not None and zscore_temperature <= 0:
-            raise ValueError(f"zscore_temperature must be > 0 or null, got {zscore_temperature}")
-        self.lexical_input = lexical_input
-        self.idf_formula = idf_formula
-        self.lexical_query_tokens = lexical_query_tokens
-        self.zscore_std = zscore_std
-        self.zscore_eval = zscore_eval
-        self.zscore_detach = tuple(h for h in HEADS if h in set(zscore_detach))
-        self.zscore_temperature = None if zscore_temperature is None else float(zscore_temperature)
+    def __init__(self, *args: Any, _loaded: LoadedBackbone | None = None, **settings: Any):
+        # One call naming the dataclass: jsonargparse follows **settings into it, so the LightningCLI lists and
+        # type-checks every field (tests/test_encoder_settings.py).
+        super().__init__(HILSettings(*args, **settings), _loaded=_loaded)
         word_embeddings = self.backbone.get_input_embeddings()
         self.vocab_size = int(word_embeddings.num_embeddings)
-        self.linear_L = nn.Linear(int(word_embeddings.embedding_dim), dim, bias=False)
-        self.linear_H = nn.Linear(self.hidden_size, dim, bias=False)
+        self.linear_L = nn.Linear(int(word_embeddings.embedding_dim), self.config.dim, bias=False)
+        self.linear_H = nn.Linear(self.hidden_size, self.config.dim, bias=False)
         self.init_heads(self.linear_L, self.linear_H)
-        self.zscore_momentum = float(zscore_momentum)
-        self.zscore_eps = float(zscore_eps)
-        self.zscore = nn.ModuleDict({head: RunningMoments(zscore_momentum) for head in HEADS})
-        self.idf_source = idf_source
+        self.zscore = nn.ModuleDict({head: RunningMoments(self.config.zscore_momentum) for head in HEADS})
         self.register_buffer("idf", torch.ones(self.vocab_size))
         self.register_buffer("idf_documents", torch.zeros((), dtype=torch.long))
+
+    lexical_input = config_field("lexical_input")
+    idf_formula = config_field("idf_formula")
+    lexical_query_tokens = config_field("lexical_query_tokens")
+    zscore_std = config_field("zscore_std")
+    zscore_eval = config_field("zscore_eval")
+    zscore_detach = config_field("zscore_detach")
+    zscore_temperature = config_field("zscore_temperature")
+    zscore_momentum = config_field("zscore_momentum")
+    zscore_eps = config_field("zscore_eps")
+    idf_source = config_field("idf_source")
 
     # -- IDF -------------------------------------------------------------------------------------------------------
     @property
@@ -176,24 +159,24 @@ class HILEncoder(MultiVectorEncoder):
 
     def set_idf(self, table: IDFTable) -> None:
         """Store ``table``'s weights in the ``idf`` buffer (padded to the embedding count with the unseen weight)."""
-        if (table.formula == AUTHORS_FORMULA) != (self.idf_formula == "authors"):
-            raise ValueError(f"this encoder's idf_formula is {self.idf_formula!r} but the table was computed with "
-                             f"{table.formula!r}")
+        if (table.formula == AUTHORS_FORMULA) != (self.config.idf_formula == "authors"):
+            raise ValueError(f"this encoder's idf_formula is {self.config.idf_formula!r} but the table was computed "
+                             f"with {table.formula!r}")
         weights = table.to_tensor(self.vocab_size)
         with torch.no_grad():
             self.idf.copy_(weights.to(self.idf.device, self.idf.dtype))
             self.idf_documents.fill_(table.n_documents)
-        self.idf_source = table.describe()
+        self.config = dataclasses.replace(self.config, idf_source=table.describe())
 
     @property
     def idf_from_queries(self) -> bool:
         """Whether the IDF is taken over queries (the authors' form) rather than documents."""
-        return self.idf_formula == "authors"
+        return self.config.idf_formula == "authors"
 
     def set_idf_from_texts(self, texts: Iterable[str], source: str = "", batch_size: int = 1024) -> IDFTable:
         """Compute IDF over ``texts`` with this model's tokenizer and ``idf_formula``; store it. The texts are
         documents for "bm25" (e.g. the target corpus at evaluation) and queries for "authors"."""
-        if self.idf_formula == "authors":
+        if self.config.idf_formula == "authors":
             table = IDFTable.from_queries(self.tokenizer, texts, batch_size=batch_size, vocab_size=self.vocab_size,
                                           source=source)
         else:
@@ -208,7 +191,7 @@ class HILEncoder(MultiVectorEncoder):
 
     # -- encoding --------------------------------------------------------------------------------------------------
     def embed(self, batch: TokenizedBatch, is_query: bool) -> dict[str, Tensor]:
-        wants_embedding_output = self.lexical_input == "embedding_output"
+        wants_embedding_output = self.config.lexical_input == "embedding_output"
         # output_hidden_states only when needed: a stand-in backbone (ONNX Runtime) returns the last state alone
         extra = {"output_hidden_states": True} if wants_embedding_output else {}
         outputs = self.backbone(input_ids=batch.input_ids, attention_mask=batch.attention_mask, **extra)
@@ -219,13 +202,6 @@ class HILEncoder(MultiVectorEncoder):
         return {"L": F.normalize(self.linear_L(lexical), p=2, dim=-1),                  # (B, L, D)
                 "H": F.normalize(self.linear_H(outputs.last_hidden_state), p=2, dim=-1)}  # (B, L, D)
 
-    def extra_settings(self) -> dict[str, Any]:
-        return {"lexical_input": self.lexical_input, "idf_formula": self.idf_formula,
-                "lexical_query_tokens": self.lexical_query_tokens, "zscore_std": self.zscore_std,
-                "zscore_eval": self.zscore_eval, "zscore_detach": list(self.zscore_detach),
-                "zscore_temperature": self.zscore_temperature, "zscore_momentum": self.zscore_momentum,
-                "zscore_eps": self.zscore_eps, "idf_source": self.idf_source}
-
     # -- scoring ---------------------------------------------------------------------------------------------------
     def token_scores(self, queries: EncodedBatch, docs: EncodedBatch, all_pairs: bool
                      ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
@@ -233,24 +209,25 @@ class HILEncoder(MultiVectorEncoder):
         idf = self.query_idf(queries)                                  # (Bq, Lq)
         s_L, s_H = hil_token_scores(queries.heads["L"], docs.heads["L"], queries.heads["H"], docs.heads["H"],
                                     idf, docs.mask, all_pairs=all_pairs)
-        lexical = lexical_query_mask(queries.mask, idf) if self.lexical_query_tokens == "weighted" else queries.mask
+        weighted = self.config.lexical_query_tokens == "weighted"
+        lexical = lexical_query_mask(queries.mask, idf) if weighted else queries.mask
         return {"L": s_L, "H": s_H}, {"L": lexical.bool(), "H": queries.mask.bool()}
 
     @property
     def unbiased_std(self) -> bool:
-        return self.zscore_std == "unbiased"
+        return self.config.zscore_std == "unbiased"
 
     @property
     def normalizes_per_query(self) -> bool:
         """Scores outside training take per-query moments (``zscore_eval`` "per_query" in eval mode). In training
         mode ``score`` uses the running estimates, so retrieval (``score_documents``) must not switch to sums."""
-        return self.zscore_eval == "per_query" and not self.training
+        return self.config.zscore_eval == "per_query" and not self.training
 
     def running_moments(self, head: str) -> tuple[Tensor, Tensor]:
         """The statistics used outside training: running mean, and running std (or ``zscore_temperature``)."""
         stats = self.zscore[head]
-        if self.zscore_temperature is not None:
-            return stats.mean, torch.full_like(stats.std, self.zscore_temperature)
+        if self.config.zscore_temperature is not None:
+            return stats.mean, torch.full_like(stats.std, self.config.zscore_temperature)
         return stats.mean, stats.std
 
     def score_heads(self, queries: EncodedBatch, docs: EncodedBatch, all_pairs: bool = True) -> dict[str, Tensor]:
@@ -261,14 +238,14 @@ class HILEncoder(MultiVectorEncoder):
         for head in HEADS:
             if self.normalizes_per_query:
                 if all_pairs:
-                    mean, std = per_query_moments(scores[head], masks[head], self.zscore_eps, self.unbiased_std)
+                    mean, std = per_query_moments(scores[head], masks[head], self.config.zscore_eps, self.unbiased_std)
                 else:  # paired rows: one set of moments over the batch, as in training
-                    mean, std = batch_moments(scores[head], masks[head], self.zscore_eps, self.unbiased_std)
-                if self.zscore_temperature is not None:
-                    std = torch.full_like(std, self.zscore_temperature)
+                    mean, std = batch_moments(scores[head], masks[head], self.config.zscore_eps, self.unbiased_std)
+                if self.config.zscore_temperature is not None:
+                    std = torch.full_like(std, self.config.zscore_temperature)
             else:
                 mean, std = self.running_moments(head)
-            late[head] = zscored_late_interaction(scores[head], masks[head], mean, std, eps=self.zscore_eps)
+            late[head] = zscored_late_interaction(scores[head], masks[head], mean, std, eps=self.config.zscore_eps)
         return late
 
     def raw_head_scores(self, queries: EncodedBatch, docs: EncodedBatch) -> dict[str, tuple[Tensor, Tensor, Tensor]]:
@@ -283,12 +260,12 @@ class HILEncoder(MultiVectorEncoder):
         out = {}
         for head in HEADS:
             late_raw, square_sums, n_tokens = sums[head]
-            if self.zscore_temperature is not None:  # fixed scale: only the mean comes from the sums
+            if self.config.zscore_temperature is not None:  # fixed scale: only the mean comes from the sums
                 n = n_tokens.to(torch.float64)[:, None]
                 mean = late_raw.to(torch.float64).sum(dim=1, keepdim=True) / (n * late_raw.shape[1]).clamp(min=1.0)
-                out[head] = ((late_raw - n * mean) / self.zscore_temperature).float()
+                out[head] = ((late_raw - n * mean) / self.config.zscore_temperature).float()
             else:
-                out[head] = zscore_from_sums(late_raw, square_sums, n_tokens, self.zscore_eps, self.unbiased_std)
+                out[head] = zscore_from_sums(late_raw, square_sums, n_tokens, self.config.zscore_eps, self.unbiased_std)
         return out
 
     def score(self, queries: EncodedBatch, docs: EncodedBatch) -> Tensor:
@@ -303,11 +280,11 @@ class HILEncoder(MultiVectorEncoder):
 
     def batch_zscore_moments(self, head: str, scores: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
         """The moments one training batch is z-scored with (see the module docstring's settings)."""
-        mean, std = batch_moments(scores, mask, eps=self.zscore_eps, unbiased=self.unbiased_std)
-        if head in self.zscore_detach:
+        mean, std = batch_moments(scores, mask, eps=self.config.zscore_eps, unbiased=self.unbiased_std)
+        if head in self.config.zscore_detach:
             mean, std = mean.detach(), std.detach()
-        if self.zscore_temperature is not None:
-            std = torch.full_like(std, self.zscore_temperature)
+        if self.config.zscore_temperature is not None:
+            std = torch.full_like(std, self.config.zscore_temperature)
         return mean, std
 
     def training_pair_scores(self, queries: EncodedBatch, docs: EncodedBatch, pair_index: Tensor
@@ -329,7 +306,7 @@ class HILEncoder(MultiVectorEncoder):
             else:
                 mean, std = self.running_moments(head)
             if self.training:
-                self.zscore[head].update(*pooled_moments(scores[head], masks[head], eps=self.zscore_eps,
+                self.zscore[head].update(*pooled_moments(scores[head], masks[head], eps=self.config.zscore_eps,
                                                          unbiased=self.unbiased_std))
-            late[head] = zscored_late_interaction(scores[head], masks[head], mean, std, eps=self.zscore_eps)
+            late[head] = zscored_late_interaction(scores[head], masks[head], mean, std, eps=self.config.zscore_eps)
         return late, masks
