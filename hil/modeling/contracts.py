@@ -25,15 +25,21 @@ from hil.data.tokenization import ColBERTTokenizer, TokenizedBatch
 class EncodedBatch:
     """Token embeddings of a batch, one tensor per head, sharing tokens and masks."""
 
-    heads: dict[str, Tensor]  # head name -> (B, L, D), L2-normalized, zero where mask is False
+    heads: dict[str, Tensor]  # head name -> (B, L, D), L2-normalized, zero where mask is False (but see below)
     mask: Tensor              # (B, L) bool: tokens that take part in late interaction
     input_ids: Tensor         # (B, L)
+    # True when every row has a token and its padding positions hold copies of one of its own tokens' vectors
+    # instead of zeros (hil.retrieval.store.gather_documents(repeat_padding=True)): a MaxSim over such a row needs
+    # no mask, since a max is unchanged by a repeated element. Only an encoder whose ``scores_repeated_padding``
+    # is True is handed such documents.
+    padding_repeats_tokens: bool = False
 
     def __len__(self) -> int:
         return self.mask.shape[0]
 
     def select(self, index: Tensor | slice) -> "EncodedBatch":
-        return EncodedBatch({k: v[index] for k, v in self.heads.items()}, self.mask[index], self.input_ids[index])
+        return EncodedBatch({k: v[index] for k, v in self.heads.items()}, self.mask[index], self.input_ids[index],
+                            self.padding_repeats_tokens)
 
 
 class Encoder(nn.Module, metaclass=ABCMeta):
@@ -76,6 +82,13 @@ class Encoder(nn.Module, metaclass=ABCMeta):
     @abstractmethod
     def score_pairs(self, queries: EncodedBatch, docs: EncodedBatch) -> Tensor:
         """Relevance of query i to document i. -> (B,)"""
+
+    @property
+    def scores_repeated_padding(self) -> bool:
+        """Whether ``score`` takes documents whose padding repeats their own tokens
+        (``EncodedBatch.padding_repeats_tokens``), which saves masking the largest tensor of a search. Only a pure
+        MaxSim-and-sum score may say so; anything that counts or normalises over a document's tokens may not."""
+        return False
 
     @property
     def normalizes_per_query(self) -> bool:

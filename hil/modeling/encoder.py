@@ -230,8 +230,14 @@ class ColBERTEncoder(MultiVectorEncoder):
         return {"colbert": F.normalize(self.linear(self.hidden_states(batch)), p=2, dim=-1)}
 
     def score(self, queries: EncodedBatch, docs: EncodedBatch) -> Tensor:
+        doc_mask = None if docs.padding_repeats_tokens else docs.mask  # repeats change no max (EncodedBatch)
         return late_interaction_matrix(queries.heads["colbert"].float(), docs.heads["colbert"].float(),
-                                       queries.mask, docs.mask)
+                                       queries.mask, doc_mask)
+
+    @property
+    def scores_repeated_padding(self) -> bool:
+        # Eq. 1 is a max over document tokens summed over query tokens; a subclass with its own score opts in itself.
+        return type(self).score is ColBERTEncoder.score
 
     def score_heads(self, queries: EncodedBatch, docs: EncodedBatch, all_pairs: bool = True) -> dict[str, Tensor]:
         return {"colbert": self.score(queries, docs) if all_pairs else self.score_pairs(queries, docs)}

@@ -14,7 +14,7 @@ def masked_max(sim: Tensor, doc_mask: Tensor | None) -> Tensor:
     """Max over the last axis (document tokens), ignoring entries where ``doc_mask`` (broadcastable to ``sim``)
     is False; a row with no token left scores 0 (Eq. 1 with an empty document). ``sim`` is overwritten."""
     if doc_mask is None:
-        return sim.max(dim=-1).values
+        return sim.max(dim=-1).values if sim.requires_grad else sim.amax(dim=-1)  # amax: no indices to compute
     # In place: ``sim`` is a fresh product that the matmul's backward does not need, and it is the largest
     # tensor of late interaction (Bq * Bd * Lq * Ld); an out-of-place fill would double the peak memory.
     sim = sim.masked_fill_(~doc_mask, float("-inf"))

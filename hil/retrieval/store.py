@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import warnings
 from functools import cached_property
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -135,13 +135,18 @@ def padded_rows(doc_offsets: np.ndarray, docs: np.ndarray) -> tuple[torch.Tensor
 
 
 def gather_documents(store: TokenStore, doc_indices: Sequence[int] | np.ndarray, *,
-                     heads: Sequence[str] | None = None, device: torch.device | str | None = None) -> EncodedBatch:
+                     heads: Sequence[str] | None = None, device: torch.device | str | None = None,
+                     repeat_padding: bool = False) -> EncodedBatch:
     """Stored documents as a padded :class:`EncodedBatch`: heads (C, Lmax, D) fp32, mask (C, Lmax), input_ids.
 
     Every stored token takes part in scoring (only scored tokens are stored), so the mask is True exactly on the
     first ``doc_lengths[i]`` positions; padding is zero vectors with input id 0. One ``index_select`` per head
     reads the rows (padding positions re-read a stored row, then are zeroed): no per-document loop and no large
     zero-filled buffer. A compressed head is decompressed for exactly the rows read.
+
+    ``repeat_padding``: leave the vectors at padding positions as read, i.e. copies of the document's own first
+    token, and say so (``padding_repeats_tokens``) when every document has a token; a MaxSim then needs no mask
+    (:attr:`hil.modeling.contracts.Encoder.scores_repeated_padding`). Token ids are zeroed either way.
     """
     doc_indices = np.asarray(doc_indices, dtype=np.int64)
     rows, mask = padded_rows(store.doc_offsets, doc_indices)
@@ -149,23 +154,29 @@ def gather_documents(store: TokenStore, doc_indices: Sequence[int] | np.ndarray,
     padding = (~mask).to(device)  # (C, Lmax)
     # With no token stored at all there is no row to read: read nothing and zero everything.
     flat_rows = rows.reshape(-1) if store.n_tokens else None
+    # An empty document's padding is another document's token: only when every one has a token are repeats its own.
+    repeats = repeat_padding and flat_rows is not None and bool(mask[:, 0].all())
 
     def zero_padding(picked: torch.Tensor) -> torch.Tensor:  # in place: ``picked`` is always a fresh tensor
         return picked.masked_fill_(padding.view(n, width, *([1] * (picked.dim() - 2))), 0)
 
-    def read(table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # -> (C, Lmax, *table.shape[1:])
+    def vectors_padding(picked: torch.Tensor) -> torch.Tensor:
+        return picked if repeats else zero_padding(picked)
+
+    def read(table: torch.Tensor, dtype: torch.dtype, fill: Callable[[torch.Tensor], torch.Tensor] = zero_padding
+             ) -> torch.Tensor:  # -> (C, Lmax, *table.shape[1:])
         if flat_rows is None:
             return torch.zeros((n, width, *table.shape[1:]), dtype=dtype, device=device)
         # Move before widening: half the bytes cross to an accelerator.
-        return zero_padding(table.index_select(0, flat_rows).view(n, width, *table.shape[1:]).to(device).to(dtype))
+        return fill(table.index_select(0, flat_rows).view(n, width, *table.shape[1:]).to(device).to(dtype))
 
     def read_vectors(head: str) -> torch.Tensor:  # -> (C, Lmax, D) float32
         array = store.embeddings[head]
         if flat_rows is None:
             return torch.zeros((n, width, int(array.shape[1])), dtype=torch.float32, device=device)
         if isinstance(array, CompressedEmbeddings):
-            return zero_padding(array.rows_torch(flat_rows, device=device).view(n, width, -1))
-        return read(store.torch_view(head), torch.float32)
+            return vectors_padding(array.rows_torch(flat_rows, device=device).view(n, width, -1))
+        return read(store.torch_view(head), torch.float32, vectors_padding)
 
     encoded = {head: read_vectors(head) for head in (heads if heads is not None else store.head_names)}
-    return EncodedBatch(encoded, ~padding, read(store.torch_view("token_ids"), torch.long))
+    return EncodedBatch(encoded, ~padding, read(store.torch_view("token_ids"), torch.long), repeats)
