@@ -94,15 +94,15 @@ def test_interrupted_build_reuses_finished_chunks(tiny_random_colbert, corpus, t
     clean = build_index(encoder, ids, texts, tmp_path / "clean", batch_size=8, chunk_docs=20, progress=False)
 
     calls = {"n": 0}
-    original = encoder.encode_documents
+    original = encoder.encode
 
-    def crashing(batch_texts):
+    def crashing(batch, is_query):
         calls["n"] += 1
         if calls["n"] == 4:  # chunk 0 (20 docs) takes 3 batches of <= 8: die in the first batch of chunk 1
             raise KeyboardInterrupt("simulated crash")
-        return original(batch_texts)
+        return original(batch, is_query)
 
-    monkeypatch.setattr(encoder, "encode_documents", crashing)
+    monkeypatch.setattr(encoder, "encode", crashing)
     with pytest.raises(KeyboardInterrupt):
         build_index(encoder, ids, texts, tmp_path / "idx", batch_size=8, chunk_docs=20, progress=False)
     assert not (tmp_path / "idx").exists(), "an unfinished build is never visible under the final name"
@@ -116,11 +116,11 @@ def test_interrupted_build_reuses_finished_chunks(tiny_random_colbert, corpus, t
     calls["n"] = -10**6  # no more crashes; count again from zero below
     counted = {"n": 0}
 
-    def counting(batch_texts):
+    def counting(batch, is_query):
         counted["n"] += 1
-        return original(batch_texts)
+        return original(batch, is_query)
 
-    monkeypatch.setattr(encoder, "encode_documents", counting)
+    monkeypatch.setattr(encoder, "encode", counting)
     resumed = build_index(encoder, ids, texts, tmp_path / "idx", batch_size=8, chunk_docs=20, progress=False)
     assert counted["n"] == 3 + 2, "chunk 0 reused; chunk 1 (20 docs, 3 batches) and chunk 2 (10 docs, 2) encoded"
     assert resumed.doc_ids == clean.doc_ids
@@ -134,21 +134,21 @@ def test_interrupted_build_reuses_finished_chunks(tiny_random_colbert, corpus, t
 def test_chunk_from_other_encoder_is_not_reused(tiny_random_colbert, corpus, tmp_path, monkeypatch):
     encoder = tiny_random_colbert
     ids, texts = corpus
-    original = encoder.encode_documents
+    original = encoder.encode
     calls = {"n": 0}
 
-    def crash_in_chunk_1(batch_texts):
+    def crash_in_chunk_1(batch, is_query):
         calls["n"] += 1
         if calls["n"] == 2:
             raise KeyboardInterrupt
-        return original(batch_texts)
+        return original(batch, is_query)
 
-    monkeypatch.setattr(encoder, "encode_documents", crash_in_chunk_1)
+    monkeypatch.setattr(encoder, "encode", crash_in_chunk_1)
     with pytest.raises(KeyboardInterrupt):
         build_index(encoder, ids, texts, tmp_path / "idx", batch_size=25, chunk_docs=25, progress=False)
     with torch.no_grad():
         encoder.linear.weight.mul_(-1.0)  # another model now
-    monkeypatch.setattr(encoder, "encode_documents", original)
+    monkeypatch.setattr(encoder, "encode", original)
     index = build_index(encoder, ids, texts, tmp_path / "idx", batch_size=25, chunk_docs=25, progress=False)
     vectors, _ = reference_tokens(encoder, texts[0])
     np.testing.assert_allclose(index.embeddings["colbert"][: len(vectors)].astype(np.float32), vectors, atol=2e-3)

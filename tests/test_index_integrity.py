@@ -251,15 +251,17 @@ def test_a_model_producing_nan_queries_is_named(tiny_random_colbert, built, quer
 
 def test_a_model_producing_nan_documents_stores_nothing(tiny_random_colbert, corpus, tmp_path):
     ids, texts = corpus
-    original = tiny_random_colbert.encode_documents
+    original = tiny_random_colbert.encode
+    poisoned = tiny_random_colbert.tokenizer.document_rows([texts[12]])[0]  # document 12's tokens
 
-    def encode_documents(batch_texts):
-        batch = original(batch_texts)
-        if texts[12] in batch_texts:
-            batch.heads["colbert"][batch_texts.index(texts[12])] = float("nan")
-        return batch
+    def encode(batch, is_query):
+        encoded = original(batch, is_query)
+        for row, ids in enumerate(batch.input_ids.tolist()):
+            if ids[: int(batch.attention_mask[row].sum())] == poisoned:
+                encoded.heads["colbert"][row] = float("nan")
+        return encoded
 
-    tiny_random_colbert.encode_documents = encode_documents
+    tiny_random_colbert.encode = encode
     with pytest.raises(NonFiniteError, match=r"document vectors \(head colbert\) of documents 10\.\.19.*model "
                                              "produces NaN"):
         build_index(tiny_random_colbert, ids, texts, tmp_path / "idx", chunk_docs=10, batch_size=8, progress=False)

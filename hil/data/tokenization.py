@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import string
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -107,7 +108,16 @@ class ColBERTTokenizer:
         return TokenizedBatch(ids, attention, torch.ones_like(ids, dtype=torch.bool))
 
     def encode_documents(self, texts: list[str]) -> TokenizedBatch:
-        rows = self._encode(texts, self.doc_marker_id, self.doc_maxlen - 3)
+        return self.document_batch(self.document_rows(texts))
+
+    def document_rows(self, texts: list[str]) -> list[list[int]]:
+        """Each document's ids ``[CLS] [D] body [SEP]``, truncated to ``doc_maxlen``, unpadded. A text's row does
+        not depend on the other texts, so a corpus can be tokenized once and its rows batched in any grouping by
+        :meth:`document_batch` (what index building does: :mod:`hil.retrieval.token_loader`)."""
+        return self._encode(texts, self.doc_marker_id, self.doc_maxlen - 3)
+
+    def document_batch(self, rows: Sequence[Sequence[int]]) -> TokenizedBatch:
+        """Rows of :meth:`document_rows` padded to the longest, with their attention and scoring masks."""
         width = max((len(r) for r in rows), default=3)
         ids = torch.full((len(rows), width), self.tokenizer.pad_token_id, dtype=torch.long)
         attention = torch.zeros_like(ids)

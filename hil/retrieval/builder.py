@@ -42,7 +42,8 @@ from hil.retrieval.backends.configs import IndexConfig, configs_from_params, ind
 from hil.retrieval.backends.registry import BACKENDS, backend_class
 from hil.retrieval.chunks import collect_chunks, join_chunks, kill_if_asked
 from hil.retrieval.codec import CompressedEmbeddings
-from hil.retrieval.corpus_encoding import CorpusEncoding, check_processes, encode_corpus
+from hil.retrieval.corpus_encoding import (CorpusEncoding, check_processes, check_tokenizer_workers,
+                                          encode_corpus)
 from hil.retrieval.devices import check_precision
 from hil.retrieval.fast_encode import DOCUMENT_ENCODINGS, document_encoding_key
 from hil.retrieval.index import (DOC_IDS_JSON, INDEX_FORMAT, INDEX_FORMAT_VERSION, INDEX_JSON, IndexMismatchError,
@@ -209,7 +210,8 @@ def build_index(encoder: Encoder, doc_ids: Sequence[str], texts: Sequence[str], 
                 corpus_fingerprint: str | None = None, progress: bool = True, overwrite: bool = False,
                 use_gpu: bool = False, gpu_device: int = 0, quantize: str | None = None,
                 calibration_docs: int = CALIBRATION_DOCS, processes: int = 1, precision: str = "fp32",
-                faiss_kind: str | None = None, faiss_params: dict[str, Any] | None = None) -> TokenIndex:
+                tokenizer_workers: int = 0, faiss_kind: str | None = None,
+                faiss_params: dict[str, Any] | None = None) -> TokenIndex:
     """Encode a corpus into a token index at ``directory`` (resumable, finalized atomically; see module docstring).
 
     ``backend``: the search structures' build-time settings (an :class:`~hil.retrieval.backends.configs.IndexConfig`,
@@ -222,7 +224,9 @@ def build_index(encoder: Encoder, doc_ids: Sequence[str], texts: Sequence[str], 
     encoder, or that many CPU processes sharing the cores; the index is the same as a one-process build's
     (:mod:`hil.retrieval.corpus_encoding`). ``precision`` (``fp32``, ``fp16`` on a GPU, ``bf16``) is autocast
     over the encoder's forward pass (:func:`hil.retrieval.devices.autocast`); stored vectors are fp16 either way;
-    recorded in ``index.json`` as ``encoding_precision``.
+    recorded in ``index.json`` as ``encoding_precision``. ``tokenizer_workers`` > 0 tokenizes the chunks in that
+    many DataLoader processes (per encoding process) ahead of the encoder, which then only runs the model (for a
+    GPU: :mod:`hil.retrieval.token_loader`); the index is the same for any number.
 
     Memory: at most one chunk of ``chunk_docs`` documents is held while encoding (its fp32 token vectors, about
     ``chunk_docs * 4 * D * tokens_per_doc`` bytes, plus the model's activations for one ``batch_size`` batch);
@@ -245,6 +249,7 @@ def build_index(encoder: Encoder, doc_ids: Sequence[str], texts: Sequence[str], 
     _check_request(heads, batch_size, chunk_docs, config)
     device = torch.device(encoder.device)
     _check_encoding(device, processes, precision, quantize)
+    check_tokenizer_workers(tokenizer_workers)
     corpus_fp = corpus_fingerprint or fingerprint_corpus(doc_ids, texts)
     encoder_fp = encoder_fingerprint(encoder)
     settings = json_normalized(encoder.settings())
@@ -256,7 +261,8 @@ def build_index(encoder: Encoder, doc_ids: Sequence[str], texts: Sequence[str], 
                                        "corpus_fingerprint": corpus_fp, "encoding_precision": precision},
                              chunk_docs=chunk_docs, batch_size=batch_size, quantize=quantize,
                              calibration_texts=_calibration_texts(texts, calibration_docs), precision=precision,
-                             progress=progress, description=f"encoding {directory.name}")
+                             progress=progress, description=f"encoding {directory.name}",
+                             tokenizer_workers=tokenizer_workers)
         identity = encode_corpus(job, processes)
         metas = collect_chunks(build / CHUNKS_DIR, len(texts), chunk_docs, heads, identity)
         n_tokens = join_chunks(build / CHUNKS_DIR, build, heads, metas)

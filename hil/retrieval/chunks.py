@@ -13,6 +13,10 @@ vectors at a time; joining streams the chunks into memmaps.
 Chunk ``n`` always holds documents ``[n * chunk_docs, (n + 1) * chunk_docs)``, whoever encodes it: several
 processes can share one corpus (``rank`` / ``world``: chunk ``n`` belongs to rank ``n % world``) and a rerun with
 any number of processes reuses what an earlier one finished; the join reads the chunks in number order.
+
+Each chunk to encode is tokenized once, sorted by length and cut into batches, by ``workers`` loader processes
+running ahead of the encoder (or in this process with ``workers=0``): :mod:`hil.retrieval.token_loader`. The
+batches, and so every file, do not depend on ``workers``. Only the texts of this rank's unfinished chunks are read.
 """
 
 from __future__ import annotations
@@ -27,10 +31,11 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from hil.provenance import DIGEST, file_digest, write_json_atomic
-from hil.retrieval.encoding import DocumentEncoder, encode_document_tokens
+from hil.retrieval.encoding import DocumentEncoder, encode_sorted_batches
 from hil.retrieval.index import (DOC_OFFSETS_NPY, INDEX_FORMAT_VERSION, TOKEN_IDS_NPY, embeddings_path,
                                  save_npy_atomic)
 from hil.retrieval.integrity import check_finite_vectors
+from hil.retrieval.token_loader import TokenizedChunk, tokenized_chunks
 
 _CHUNK_FILE = re.compile(r"^\.?chunk-(\d+)\.")  # a chunk's file, or (leading dot) a temporary one being written
 
@@ -91,12 +96,12 @@ def finished_chunk(paths: dict[str, Path], expected: dict[str, Any], *,
     return meta
 
 
-def _write_chunk(encoder: DocumentEncoder, texts: Sequence[str], paths: dict[str, Path], expected: dict[str, Any],
-                 batch_size: int, progress_bar: Any, rank: int = 0) -> dict[str, Any]:
-    """Encode one chunk's texts and write its files, the metadata last; -> the metadata (``expected``, the counts,
-    and the ``rank`` that encoded it: a record only, never compared)."""
+def _write_chunk(encoder: DocumentEncoder, tokenized: TokenizedChunk, paths: dict[str, Path],
+                 expected: dict[str, Any], progress_bar: Any, rank: int = 0) -> dict[str, Any]:
+    """Encode one chunk's tokenized batches and write its files, the metadata last; -> the metadata (``expected``,
+    the counts, and the ``rank`` that encoded it: a record only, never compared)."""
     heads = tuple(encoder.head_names)
-    encoded = encode_document_tokens(encoder, texts, batch_size=batch_size, progress_bar=progress_bar)
+    encoded = encode_sorted_batches(encoder, tokenized.sorted_batches(), progress_bar=progress_bar)
     for head in heads:  # all checked before anything is written
         check_finite_vectors(encoded.embeddings[head], f"the document vectors (head {head}) of documents "
                              f"{expected['doc_start']}..{expected['doc_end'] - 1}",
@@ -135,28 +140,33 @@ def shard_docs(n_docs: int, chunk_docs: int, rank: int, world: int) -> int:
 
 def encode_in_chunks(encoder: DocumentEncoder, texts: Sequence[str], chunks: Path, identity: dict[str, Any], *,
                      chunk_docs: int, batch_size: int, progress_bar: Any, rank: int = 0, world: int = 1,
-                     on_written: Callable[[int], None] | None = None) -> list[dict[str, Any]]:
+                     workers: int = 0, on_written: Callable[[int], None] | None = None) -> list[dict[str, Any]]:
     """Encode the chunks of ``texts`` that belong to ``rank`` (all of them when ``world`` is 1) into ``chunks``,
     reusing finished chunks of the same ``identity`` (settings, fingerprints, document encoding, precision);
-    -> those chunks' metadata, in order. ``on_written(number)`` is called after each chunk newly written.
+    -> those chunks' metadata, in order. The chunks left to encode are tokenized by ``workers`` loader processes
+    ahead of the encoder (0: in this process). ``on_written(number)`` is called after each chunk newly written.
     Call inside ``eval_mode``."""
     heads = tuple(encoder.head_names)
-    metas = []
-    for number, start, end in chunk_ranges(len(texts), chunk_docs):
-        if number % world != rank:
-            continue
-        paths = chunk_paths(chunks, number, heads)
-        expected = expected_chunk_meta(number, start, end, heads, identity)
+    mine = [chunk for chunk in chunk_ranges(len(texts), chunk_docs) if chunk[0] % world == rank]
+    metas: dict[int, dict[str, Any]] = {}
+    missing = []
+    for number, start, end in mine:
         # Reused only when its bytes are the ones recorded: a chunk survives crashes, and is read once more here.
-        meta = finished_chunk(paths, expected, checksums=True)
-        if meta is not None:
-            progress_bar.update(end - start)
+        meta = finished_chunk(chunk_paths(chunks, number, heads),
+                              expected_chunk_meta(number, start, end, heads, identity), checksums=True)
+        if meta is None:
+            missing.append((number, start, end))
         else:
-            meta = _write_chunk(encoder, texts[start:end], paths, expected, batch_size, progress_bar, rank)
-            if on_written is not None:
-                on_written(number)
-        metas.append(meta)
-    return metas
+            metas[number] = meta
+            progress_bar.update(end - start)
+    for tokenized in tokenized_chunks(encoder.tokenizer, texts, missing, batch_size=batch_size, workers=workers):
+        number = tokenized.number
+        expected = expected_chunk_meta(number, tokenized.start, tokenized.end, heads, identity)
+        metas[number] = _write_chunk(encoder, tokenized, chunk_paths(chunks, number, heads), expected,
+                                     progress_bar, rank)
+        if on_written is not None:
+            on_written(number)
+    return [metas[number] for number, _, _ in mine]
 
 
 def collect_chunks(chunks: Path, n_docs: int, chunk_docs: int, heads: Sequence[str],

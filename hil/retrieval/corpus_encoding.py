@@ -8,6 +8,15 @@ encoding, so the index is the same (byte for byte on a CPU). Choices:
 - **Which rank encodes what.** Chunk ``n`` is encoded by rank ``n % N`` (round robin: a corpus sorted by length,
   or by source, still gives every rank a mix). Chunk boundaries depend on ``chunk_docs`` only, so each chunk's
   documents, batches and files are those of a one-process build, and a rerun on any ``N`` reuses finished chunks.
+- **What each rank reads.** Only its own chunks' texts: the main process writes the corpus's texts once into the
+  chunks folder (UTF-8 bytes and byte offsets, :mod:`hil.retrieval.corpus_texts`) and sends the ranks the file's
+  path, not the texts; a rank reads a chunk's texts from disk when it tokenizes that chunk. (Fabric's launcher
+  sends every rank the same arguments, and the corpus arrives as an in-memory list, so this spill is what lets a
+  rank hold one chunk's texts instead of the corpus's: ~3.8 GB per rank for MS MARCO before.) The files are
+  removed when the ranks are done.
+- **Tokenization.** Once per document, in ``tokenizer_workers`` DataLoader processes per rank that tokenize the
+  next chunks while the encoder runs (:mod:`hil.retrieval.token_loader`; 0 tokenizes in the rank itself); the
+  batches are the same either way.
 - **How the encoder crosses the spawn.** As a CPU copy (a CUDA encoder is copied to the CPU first: CUDA tensors are
   not sent between processes), pickled with the job; each rank moves it to its own device. A ``quantize`` view
   (int8, ONNX, ``torch.compile``) cannot be pickled (ONNX Runtime sessions, compiled graphs), so each rank builds
@@ -35,6 +44,7 @@ import torch
 
 from hil.modeling.contracts import Encoder
 from hil.retrieval.chunks import discard_unfinished_chunks, encode_in_chunks, shard_docs
+from hil.retrieval.corpus_texts import write_corpus_texts
 from hil.retrieval.devices import autocast
 from hil.retrieval.encoding import eval_mode
 from hil.retrieval.fast_encode import document_encoder
@@ -50,7 +60,9 @@ class CorpusEncoding:
     """Everything encoding a corpus's chunks needs; picklable, as it is sent to every rank.
 
     ``identity`` is what every chunk records and must match to be reused (settings, fingerprints, precision);
-    the document encoding of the ``quantize`` view is added to it where the view is built.
+    the document encoding of the ``quantize`` view is added to it where the view is built. ``texts``: the caller's
+    list, or (in the job sent to the ranks) a :class:`~hil.retrieval.corpus_texts.CorpusTextsFile`.
+    ``tokenizer_workers``: loader processes tokenizing chunks ahead of the encoder, per rank (0: none).
     """
 
     encoder: Encoder
@@ -64,6 +76,7 @@ class CorpusEncoding:
     precision: str = "fp32"
     progress: bool = True
     description: str = "encoding"
+    tokenizer_workers: int = 0
 
 
 def encode_shard(job: CorpusEncoding, device: torch.device, rank: int = 0, world: int = 1,
@@ -79,7 +92,8 @@ def encode_shard(job: CorpusEncoding, device: torch.device, rank: int = 0, world
     bar = progress_bar(total, description, "doc", enabled=job.progress and rank == 0)
     with eval_mode(view), autocast(device, job.precision):
         encode_in_chunks(view, job.texts, job.chunks, identity, chunk_docs=job.chunk_docs,
-                         batch_size=job.batch_size, progress_bar=bar, rank=rank, world=world, on_written=on_written)
+                         batch_size=job.batch_size, progress_bar=bar, rank=rank, world=world,
+                         workers=job.tokenizer_workers, on_written=on_written)
     bar.close()
     return identity
 
@@ -99,6 +113,12 @@ def check_processes(processes: int, device: torch.device) -> None:
                          + (f" (cuda:0..cuda:{gpus - 1})" if gpus else ""))
 
 
+def check_tokenizer_workers(tokenizer_workers: int) -> None:
+    """Refuse a number of tokenizer worker processes that cannot be (one line)."""
+    if isinstance(tokenizer_workers, bool) or not isinstance(tokenizer_workers, int) or tokenizer_workers < 0:
+        raise ValueError(f"tokenizer_workers must be an integer >= 0 (got {tokenizer_workers!r})")
+
+
 def encode_corpus(job: CorpusEncoding, processes: int = 1) -> dict[str, Any]:
     """Encode every chunk of ``job`` on ``processes`` processes of the encoder's device kind (see the module
     docstring); -> the chunks' identity. Raises ``RuntimeError`` when a rank fails, finished chunks kept."""
@@ -108,9 +128,11 @@ def encode_corpus(job: CorpusEncoding, processes: int = 1) -> dict[str, Any]:
         return encode_shard(job, device)
     from lightning_fabric import Fabric
 
-    cpu_job = replace(job, encoder=_cpu_copy(job.encoder))
     fabric = Fabric(accelerator=device.type, devices=processes, strategy="ddp_spawn")
     port_before = os.environ.get("MASTER_PORT")
+    # The ranks read their chunks' texts from disk (module docstring): the job they receive holds a path, not texts.
+    texts_file = write_corpus_texts(job.texts, job.chunks)
+    cpu_job = replace(job, encoder=_cpu_copy(job.encoder), texts=texts_file)
     try:
         return fabric.launch(_encode_on_rank, cpu_job)
     except Exception as error:  # torch.multiprocessing's ProcessExitedException / ProcessRaisedException
@@ -119,6 +141,7 @@ def encode_corpus(job: CorpusEncoding, processes: int = 1) -> dict[str, Any]:
                            f"{_summary(error)}. Finished chunks are kept in {job.chunks} and reused by a rerun "
                            f"({len(removed)} files of unfinished chunks removed)") from error
     finally:
+        texts_file.remove()
         # The launcher pins MASTER_PORT in this process's environment; a later launch must pick a free port again.
         _restore_env("MASTER_PORT", port_before)
 

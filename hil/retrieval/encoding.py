@@ -1,5 +1,11 @@
 """Encoding documents into stored tokens: what a document encoder must offer, and the encoding loop itself.
 
+Every document is tokenized once: :func:`sorted_document_batches` tokenizes a list of texts, sorts them by token
+length and pads them into batches; :func:`encode_sorted_batches` runs only the encoder over those batches. Index
+building tokenizes each chunk in loader workers ahead of the encoder (:mod:`hil.retrieval.token_loader`);
+:func:`encode_document_tokens` does both steps in this process. (Before, the length sort tokenized every text and
+each batch was tokenized again from its texts: the same tensors, twice the work.)
+
 Indexing only ever encodes documents, and may do it through a cheaper stand-in for the caller's encoder (an int8
 copy, a ``torch.compile`` or ONNX Runtime view: :mod:`hil.retrieval.fast_encode`). What that needs is written
 down once as :class:`DocumentEncoder`; every :class:`~hil.modeling.contracts.Encoder` satisfies it, and
@@ -16,14 +22,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from hil.data.tokenization import ColBERTTokenizer
+from hil.data.tokenization import ColBERTTokenizer, TokenizedBatch
 from hil.modeling.contracts import EncodedBatch, Encoder
 from hil.retrieval.store import TokenStore
 
 
 class DocumentEncoder(Protocol):
     """What encoding documents into a token store needs: the heads and their dimension, ColBERT's document
-    tokenization (to sort documents by length) and the documents' token embeddings."""
+    tokenization (done once, apart from the encoder) and the token embeddings of tokenized documents."""
 
     @property
     def head_names(self) -> tuple[str, ...]: ...
@@ -34,7 +40,7 @@ class DocumentEncoder(Protocol):
     @property
     def tokenizer(self) -> ColBERTTokenizer: ...
 
-    def encode_documents(self, texts: Sequence[str]) -> EncodedBatch: ...
+    def encode(self, batch: TokenizedBatch, is_query: bool) -> EncodedBatch: ...
 
 
 class DocumentEncoderView(nn.Module):
@@ -62,6 +68,9 @@ class DocumentEncoderView(nn.Module):
     @property
     def tokenizer(self) -> ColBERTTokenizer:
         return self.encoder.tokenizer
+
+    def encode(self, batch: TokenizedBatch, is_query: bool) -> EncodedBatch:
+        return self.encoder.encode(batch, is_query)
 
     def encode_documents(self, texts: Sequence[str]) -> EncodedBatch:
         return self.encoder.encode_documents(texts)
@@ -99,8 +108,27 @@ class EncodedTokens:
 
 
 def document_token_lengths(encoder: DocumentEncoder, texts: Sequence[str]) -> np.ndarray:
-    """Tokens per document after the encoder's tokenization (markers included), used to sort into batches."""
-    return encoder.tokenizer.encode_documents(list(texts)).attention_mask.sum(dim=1).numpy()
+    """Tokens per document after the encoder's tokenization (markers included): what batches are sorted by."""
+    return np.array([len(row) for row in encoder.tokenizer.document_rows(list(texts))], dtype=np.int64)
+
+
+@dataclass
+class SortedBatches:
+    """A list of documents tokenized once, in encoding order: longest first, cut into padded batches."""
+
+    order: np.ndarray                # (n,) int64: the input position of each document, in encoding order
+    batches: list[TokenizedBatch]    # batch i holds documents order[i * batch_size: (i + 1) * batch_size]
+
+
+def sorted_document_batches(tokenizer: ColBERTTokenizer, texts: Sequence[str], batch_size: int) -> SortedBatches:
+    """Tokenize ``texts`` once, sort them by token length (longest first, so running out of memory shows up at
+    once; ties keep input order) and pad each run of ``batch_size`` into a batch: little padding. Each batch is
+    the tensors ``tokenizer.encode_documents`` gives for its texts (:meth:`ColBERTTokenizer.document_rows`)."""
+    rows = tokenizer.document_rows(list(texts))
+    order = np.argsort(-np.array([len(row) for row in rows], dtype=np.int64), kind="stable")
+    batches = [tokenizer.document_batch([rows[i] for i in order[start: start + batch_size]])
+               for start in range(0, len(rows), batch_size)]
+    return SortedBatches(order, batches)
 
 
 def _input_order_gather(order: np.ndarray, sorted_lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -117,34 +145,41 @@ def _input_order_gather(order: np.ndarray, sorted_lengths: np.ndarray) -> tuple[
     return lengths, gather
 
 
-def encode_document_tokens(encoder: DocumentEncoder, texts: Sequence[str], *, batch_size: int = 32,
-                           dtype: np.dtype | type = np.float16, progress_bar: Any = None) -> EncodedTokens:
-    """Encode ``texts`` and keep only the scored tokens of each document, flattened in input order.
-
-    Documents are sorted by token length (longest first, so running out of memory shows up at once) and cut
-    into batches: little padding. Call inside :func:`eval_mode`. ``progress_bar`` (tqdm) is advanced per batch.
-    """
-    n = len(texts)
+def encode_sorted_batches(encoder: DocumentEncoder, tokenized: SortedBatches, *,
+                          dtype: np.dtype | type = np.float16, progress_bar: Any = None) -> EncodedTokens:
+    """Run ``encoder`` over batches already tokenized and keep only the scored tokens of each document, flattened
+    in input order. Call inside :func:`eval_mode`. ``progress_bar`` (tqdm) is advanced per batch."""
+    n = len(tokenized.order)
     heads = tuple(encoder.head_names)
-    order = np.argsort(-document_token_lengths(encoder, texts), kind="stable")
     parts: dict[str, list[np.ndarray]] = {head: [] for head in heads}
     id_parts: list[np.ndarray] = []
     sorted_lengths = np.zeros(n, dtype=np.int64)
-    for start in range(0, n, batch_size):
-        rows = order[start: start + batch_size]
-        batch = encoder.encode_documents([texts[i] for i in rows])
+    start = 0
+    for tokens in tokenized.batches:
+        batch = encoder.encode(tokens, is_query=False)
         mask = batch.mask.bool()  # (B, L)
         for head in heads:
             # Boolean indexing walks (B, L) row by row: the tokens of each document stay contiguous and in order.
             parts[head].append(batch.heads[head][mask].detach().to("cpu", torch.float32).numpy().astype(dtype))
         id_parts.append(batch.input_ids[mask].detach().cpu().numpy().astype(np.int32))
-        sorted_lengths[start: start + len(rows)] = mask.sum(dim=1).cpu().numpy()
+        sorted_lengths[start: start + len(tokens)] = mask.sum(dim=1).cpu().numpy()
+        start += len(tokens)
         if progress_bar is not None:
-            progress_bar.update(len(rows))
+            progress_bar.update(len(tokens))
 
-    lengths, gather = _input_order_gather(order, sorted_lengths)
+    lengths, gather = _input_order_gather(tokenized.order, sorted_lengths)
     dim = int(encoder.dim)
     embeddings = {head: (np.concatenate(chunks) if chunks else np.zeros((0, dim), dtype=dtype))[gather]
                   for head, chunks in parts.items()}
     token_ids = np.concatenate(id_parts)[gather] if id_parts else np.zeros(0, dtype=np.int32)
     return EncodedTokens(embeddings, token_ids, lengths)
+
+
+def encode_document_tokens(encoder: DocumentEncoder, texts: Sequence[str], *, batch_size: int = 32,
+                           dtype: np.dtype | type = np.float16, progress_bar: Any = None) -> EncodedTokens:
+    """Encode ``texts`` and keep only the scored tokens of each document, flattened in input order: tokenized once
+    and sorted into batches here (:func:`sorted_document_batches`), then encoded (:func:`encode_sorted_batches`).
+    Call inside :func:`eval_mode`. ``progress_bar`` (tqdm) is advanced per batch.
+    """
+    return encode_sorted_batches(encoder, sorted_document_batches(encoder.tokenizer, texts, batch_size),
+                                 dtype=dtype, progress_bar=progress_bar)
