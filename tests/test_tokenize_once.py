@@ -303,3 +303,36 @@ def test_two_spawned_ranks_with_loader_workers_write_the_one_process_index(tiny_
     """The real thing: two CPU ranks started by Fabric, each tokenizing in a loader worker of its own."""
     build(tiny_bert, tmp_path / "idx", processes=2, tokenizer_workers=1)
     assert_same_index(tmp_path / "idx", reference_index)
+
+
+@pytest.mark.integration
+def test_evaluation_settings_pass_tokenizer_workers_to_the_build(tiny_model_dir, tmp_path, monkeypatch):
+    """EvaluationSettings(tokenizer_workers=N) reaches build_index (and the index is the 0-worker one); a negative
+    count is refused."""
+    from hil.data.beir import load_beir
+    from hil.data.errors import UserError
+    from hil.evaluation import evaluate as evaluation
+    from hil.evaluation.evaluate import EvaluationSettings, document_store
+    from hil.modeling.loading import load_encoder
+
+    with pytest.raises(UserError, match="tokenizer_workers"):
+        EvaluationSettings(tokenizer_workers=-1)
+    seen = []
+    original = evaluation.open_or_build_index
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("tokenizer_workers"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(evaluation, "open_or_build_index", spy)
+    torch.manual_seed(0)
+    encoder = load_encoder(str(tiny_model_dir), dim=8)
+    dataset = load_beir("scifact").subset(3, 40, seed=0)
+    indexes = {}
+    for workers in (0, 1):
+        settings = EvaluationSettings(index_root=str(tmp_path / str(workers)), tokenizer_workers=workers,
+                                      progress=False)
+        indexes[workers] = document_store(encoder, dataset, settings).directory
+    assert seen == [0, 1]
+    for path in sorted(indexes[0].glob("*.npy")):
+        assert path.read_bytes() == (indexes[1] / path.name).read_bytes(), path.name

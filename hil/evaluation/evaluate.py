@@ -86,6 +86,8 @@ class EvaluationSettings:
             Recorded in the index, which is rebuilt when it differs.
         processes: processes that encode the corpus (one per GPU, or CPU processes), through Lightning Fabric;
             the index is the same as a one-process build's.
+        tokenizer_workers: DataLoader workers that tokenize the corpus's chunks ahead of the encoder (0: in the
+            encoding process); the index is the same whatever the number.
         faiss_gpu: FAISS on the GPU (True), on the CPU (False), or on the encoder's GPU where faiss-gpu sees
             it (None).
         verify_index: how much of a reused index is checked against the sizes and checksums it recorded:
@@ -113,6 +115,7 @@ class EvaluationSettings:
     device: str = "auto"
     precision: str = "fp32"
     processes: int = 1
+    tokenizer_workers: int = 0
     faiss_gpu: bool | None = None
     verify_index: str = "auto"
 
@@ -132,6 +135,8 @@ class EvaluationSettings:
             if self.mode != "full":
                 raise UserError("query_encoding is a full-ranking (search latency) setting; mode is "
                                 f"{self.mode!r}")
+        if self.tokenizer_workers < 0:
+            raise UserError(f"tokenizer_workers must be >= 0 (got {self.tokenizer_workers})")
         for name in ("k", "rerank_depth", "batch_size", "query_batch_size", "processes", "ncandidates"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -280,7 +285,8 @@ def document_store(encoder: Encoder, dataset: BeirDataset, settings: EvaluationS
             tokens = encode_document_tokens(encoder, dataset.documents(), batch_size=settings.batch_size)
         return tokens.to_store(dataset.doc_ids())
     quantize = {"quantize": settings.document_encoding} if settings.document_encoding else {}
-    quantize.update(precision=settings.precision, processes=settings.processes)
+    quantize.update(precision=settings.precision, processes=settings.processes,
+                    tokenizer_workers=settings.tokenizer_workers)
     gpu = faiss_on_gpu(settings, encoder.device)
     quantize.update(use_gpu=gpu is not None, gpu_device=gpu or 0)
     return open_or_build_index(encoder, dataset.doc_ids(), dataset.documents(),
