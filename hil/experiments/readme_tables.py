@@ -10,6 +10,8 @@ equals the rendering of the committed files.
 
 - ``paper-cpu-fidelity``: ``docs/paper-cpu-fidelity/summary.json``, written by ``python -m hil.experiments.paper``
   (``--publish docs/paper-cpu-fidelity``; ``--report-only`` recomputes it from the ``eval/`` records beside it).
+- ``distill-cpu``: ``docs/distill-cpu/table.json``, written by ``hil beir`` over the distilled models (README,
+  "Distillation and n-way training").
 - ``measured-here``: the ``metrics.json`` of ``make demo`` and of the commands :data:`MEASURED_HERE` lists beside
   each row. A row whose file is not there is rendered as ``-`` and named under the table with its command, instead
   of a figure nobody can regenerate.
@@ -30,7 +32,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from hil.data.errors import UserError, one_line
-from hil.evaluation.tables import markdown_table, p_value, pct, relative
+from hil.evaluation.tables import adjustment_legend, markdown_table, p_value, pct, relative
 from hil.provenance import write_text_atomic
 
 README = "README.md"
@@ -153,9 +155,30 @@ def render_paper_cpu_fidelity(root: Path) -> list[str]:
     return markdown_table(["nDCG@10", "SciFact", "NFCorpus", "Avg.", "DL19 (BM25 top 100, graded)"], rows)
 
 
+DISTILL_TABLE = "docs/distill-cpu/table.json"
+
+
+def render_distill_cpu(root: Path) -> list[str]:
+    """The distillation evidence (issue 22): ``hil beir``'s Table 2 record of the triples-trained demo ColBERT and
+    the distilled models beside BM25, rendered by the BEIR command's own renderer (intervals, p-values raw and
+    adjusted, daggers, legend)."""
+    from hil.experiments.beir_table import FAMILY, detail_lines, main_lines
+
+    table = read_json(root, DISTILL_TABLE)
+    if table is None:
+        raise UserError(f"{root / DISTILL_TABLE}: not found (the hil beir command in README, 'Distillation and "
+                        "n-way training', writes it: --out docs/distill-cpu)")
+    stats = _field(table, DISTILL_TABLE, "statistics")
+    legend = (f"Baseline: {table['baseline']}. " + adjustment_legend(stats.get("p_adjust", "none"),
+                                                                       stats.get("family", FAMILY),
+                                                                       stats["significance"], test=stats["dagger_test"]))
+    return [*main_lines(table), "", legend, "", *detail_lines(table)]
+
+
 TABLES: dict[str, Callable[[Path], list[str]]] = {
     "paper-cpu-fidelity": render_paper_cpu_fidelity,
     "measured-here": render_measured_here,
+    "distill-cpu": render_distill_cpu,
 }
 
 
