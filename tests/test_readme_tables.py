@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from hil.data.errors import UserError
-from hil.experiments.readme_tables import (MEASURED_HERE, PAPER_SUMMARY, README, main, render_measured_here,
-                                           render_paper_cpu_fidelity, rendered, table_blocks)
+from hil.experiments.readme_tables import (DISTILL_TABLE, MEASURED_HERE, PAPER_SUMMARY, README, main,
+                                           render_measured_here, render_paper_cpu_fidelity, rendered, table_blocks)
 
 REPO = Path(__file__).resolve().parents[1]
-SOURCES = sorted({PAPER_SUMMARY, *(row.results for row in MEASURED_HERE)})
+SOURCES = sorted({PAPER_SUMMARY, DISTILL_TABLE, *(row.results for row in MEASURED_HERE)})
 
 
 def committed_copy(root: Path) -> Path:
@@ -35,7 +35,7 @@ def committed_copy(root: Path) -> Path:
 def test_the_readme_tables_are_the_rendering_of_the_committed_results_files(tmp_path):
     root = committed_copy(tmp_path)
     text = (root / README).read_text(encoding="utf-8")
-    assert set(table_blocks(text)) == {"paper-cpu-fidelity", "measured-here"}
+    assert set(table_blocks(text)) == {"paper-cpu-fidelity", "measured-here", "distill-cpu"}
     new, changed = rendered(text, root)
     assert changed == [], (f"README.md tables {changed} differ from their results files: run "
                            "python -m hil.experiments.readme_tables --write")
@@ -52,6 +52,14 @@ def test_a_changed_results_file_makes_the_readme_stale_until_written(tmp_path, c
     assert main(["--root", str(root), "--write"]) == 0
     assert main(["--root", str(root)]) == 0
     assert "| ColBERT-HIL (paper recipe) | 62.33 (+0.80, p 0.51, holm 1) |" in (root / README).read_text()
+    # the distillation table follows its file (hil beir's table.json) the same way
+    table = json.loads((root / DISTILL_TABLE).read_text())
+    table["rows"][-1]["scores"]["distill"] += 0.01
+    (root / DISTILL_TABLE).write_text(json.dumps(table))
+    assert main(["--root", str(root)]) == 1
+    assert "distill-cpu differ" in capsys.readouterr().err
+    assert main(["--root", str(root), "--write"]) == 0
+    assert "| SciFact | 67.62 | 64.16 | 64.56 |" in (root / README).read_text()
 
 
 def summary_fixture() -> dict:
