@@ -29,7 +29,7 @@ from torch.utils.data import Dataset
 from hil.data.beir_files import checked_id
 from hil.data.errors import DataFormatError, UserError
 from hil.data.id_texts import IdTextFile
-from hil.data.line_index import FileStamp, cache_file, load_cache, save_cache
+from hil.data.line_index import FileStamp, cache_file, load_cache, save_cache, sequence_position
 
 _CHECKED_KIND = 7        # header "kind" of a checking record
 _CHUNK = 4096            # ids looked up together
@@ -174,11 +174,7 @@ class ExamplesOnDisk(Dataset):
         return self.size
 
     def _position(self, index: int) -> int:
-        index = int(index)
-        position = index + self.size if index < 0 else index
-        if not 0 <= position < self.size:
-            raise IndexError(f"example {index} of {self.size}")
-        return position
+        return sequence_position(index, self.size, "example")
 
     def example_ids(self) -> Iterator[tuple[int, str, tuple[str, ...]]]:
         """(line, query id, document ids) of every example in order, without reading texts."""

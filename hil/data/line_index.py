@@ -354,3 +354,13 @@ class LineIndex:
     def __del__(self) -> None:
         if getattr(self, "_fd", None) is not None and self._pid == os.getpid():
             os.close(self._fd)
+
+
+def sequence_position(index: int, size: int, what: str) -> int:
+    """``index`` of a sequence of ``size`` items (negative from the end) as a position in ``[0, size)``; an
+    ``IndexError`` naming ``what`` otherwise."""
+    index = int(index)
+    position = index + size if index < 0 else index
+    if not 0 <= position < size:
+        raise IndexError(f"{what} {index} of {size}")
+    return position

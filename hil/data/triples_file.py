@@ -32,7 +32,7 @@ from torch.utils.data import Dataset
 from hil.data.beir_files import iter_text_lines
 from hil.data.errors import DataFormatError, UserError
 from hil.data.id_texts import IdTextFile, checked_id
-from hil.data.line_index import LineIndex
+from hil.data.line_index import LineIndex, sequence_position
 from hil.data.triples import Triple, parse_triple
 
 _CHUNK = 4096  # triples whose ids are looked up together when streaming
@@ -53,11 +53,7 @@ class _TriplesOnDisk(Dataset):
         return self.size
 
     def _position(self, index: int) -> int:
-        index = int(index)
-        position = index + self.size if index < 0 else index
-        if not 0 <= position < self.size:
-            raise IndexError(f"triple {index} of {self.size}")
-        return position
+        return sequence_position(index, self.size, "triple")
 
     @property
     def triples(self) -> "_TriplesOnDisk":
