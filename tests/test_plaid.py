@@ -97,13 +97,14 @@ def test_centroid_interaction_matches_loops(n_docs, n_centroids, lq, seed, block
 
 
 @settings(max_examples=15, deadline=None)
-@given(st.integers(1, 25), st.integers(1, 8), st.integers(1, 5), st.integers(1, 4), st.integers(0, 10_000))
-def test_cell_scores_match_loops(n_docs, n_centroids, lq, nprobe, seed):
+@given(st.integers(1, 25), st.integers(1, 8), st.integers(1, 5), st.integers(1, 4), st.integers(0, 10_000),
+       st.sampled_from([None, True, False]))
+def test_cell_scores_match_loops(n_docs, n_centroids, lq, nprobe, seed, dense):
     plan, _ = random_plan(n_docs, 6, n_centroids, seed)
     query = unit(lq, 6, seed + 7)
     scores = torch.from_numpy(query) @ torch.from_numpy(plan.centroids).T  # (Lq, C)
     cells = probe_cells(scores, nprobe)
-    docs, bound = cell_scores(plan, scores, cells)
+    docs, bound = cell_scores(plan, scores, cells, dense=dense)
     reference: dict[int, float] = {}
     for i in range(lq):
         best: dict[int, float] = {}

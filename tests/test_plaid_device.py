@@ -21,6 +21,7 @@ from hil.modeling.scoring import masked_max
 from hil.retrieval.backends.configs import PlaidIndexConfig, PlaidSearchConfig
 from hil.retrieval.builder import build_index
 from hil.retrieval.codec import CompressedEmbeddings, fit_residual_codec
+from hil.retrieval import plaid as plaid_module
 from hil.retrieval.plaid import (CentroidPlan, assign_codes, build_ivf, centroid_interaction, plaid_candidates,
                                  top_by_score)
 from hil.retrieval.search import exact_rank, full_rank
@@ -114,7 +115,9 @@ SETTINGS = [(1, 5, 20), (2, 10, 10), (4, 3, 50), (8, 40, 160), (64, 500, 500)]  
 
 @pytest.mark.parametrize("plan_name", list(PLANS))
 @pytest.mark.parametrize("device", [None, CPU, "cpu"], ids=["query's", "torch.device", "str"])
-def test_the_stages_on_the_cpu_equal_the_numpy_implementation(plan_name, device):
+@pytest.mark.parametrize("dense_ratio", [0, 1 << 30], ids=["stage 2 sorted", "stage 2 dense"])
+def test_the_stages_on_the_cpu_equal_the_numpy_implementation(plan_name, device, dense_ratio, monkeypatch):
+    monkeypatch.setattr(plaid_module, "_DENSE_RATIO", dense_ratio)
     n_docs, dim, n_centroids, max_len, seed = PLANS[plan_name]
     plan = random_plan(n_docs, dim, n_centroids, max_len, seed)
     ties = 0

@@ -77,3 +77,31 @@ def test_only_a_pure_maxsim_encoder_takes_repeated_padding(colbert, tiny_model_d
     from hil.modeling.hil import HILEncoder
 
     assert HILEncoder.scores_repeated_padding.fget(object.__new__(HILEncoder)) is False
+
+
+def test_token_ids_are_read_only_when_asked():
+    store = random_store([3, 1, 5, 2])
+    read = gather_documents(store, [2, 0, 3])
+    unread = gather_documents(store, [2, 0, 3], token_ids=False)
+    assert torch.equal(read.heads["colbert"], unread.heads["colbert"]) and torch.equal(read.mask, unread.mask)
+    assert unread.input_ids.shape == read.input_ids.shape and int(unread.input_ids.abs().sum()) == 0
+    for row, (start, end) in enumerate([(4, 9), (0, 3), (9, 11)]):  # documents 2, 0, 3 of offsets 0 3 4 9 11
+        assert read.input_ids[row, : end - start].tolist() == store.token_ids[start:end].tolist()
+
+
+@pytest.mark.parametrize("pure", [True, False], ids=["pure MaxSim", "a score of its own"])
+def test_search_reads_token_ids_only_for_a_score_that_may_need_them(colbert, monkeypatch, pure):
+    import hil.retrieval.search as search
+
+    asked: list[bool] = []
+
+    def spy(*args, **kwargs):
+        asked.append(kwargs["token_ids"])
+        return gather_documents(*args, **kwargs)
+
+    monkeypatch.setattr(search, "gather_documents", spy)
+    monkeypatch.setattr(type(colbert), "scores_repeated_padding", property(lambda self: pure))
+    with torch.inference_mode():
+        queries = colbert.encode_queries(["a query"])
+        score_documents(colbert, queries, random_store([4, 2, 6], dim=8), np.arange(3))
+    assert asked and all(flag is (not pure) for flag in asked)

@@ -42,6 +42,23 @@ def test_late_interaction_matrix_equals_loop(bq, bd, lq, ld, dim, seed):
 
 
 @settings(max_examples=30, deadline=None)
+@given(bd=st.integers(1, 5), lq=st.integers(1, 6), ld=st.integers(1, 7), masked=st.booleans(),
+       seed=st.integers(0, 10_000))
+def test_one_query_against_many_documents_equals_loop(bd, lq, ld, masked, seed):
+    """Full ranking scores one query at a time, through its own product (maxsim_matrix's Bq == 1 path)."""
+    g = torch.Generator().manual_seed(seed)
+    q, d = torch.randn(1, lq, 4, generator=g), torch.randn(bd, ld, 4, generator=g)
+    q_mask = random_masks(g, 1, lq)
+    d_mask = random_masks(g, bd, ld) if masked else torch.ones(bd, ld, dtype=torch.bool)
+    if masked:
+        d_mask[-1] = False  # a document with no token left scores 0
+    scores = late_interaction_matrix(q, d, q_mask, d_mask if masked else None)
+    assert scores.shape == (1, bd)
+    for b in range(bd):
+        assert scores[0, b].item() == pytest.approx(late_interaction_loop(q[0], d[b], q_mask[0], d_mask[b]), abs=1e-4)
+
+
+@settings(max_examples=30, deadline=None)
 @given(b=st.integers(1, 4), lq=st.integers(1, 6), ld=st.integers(1, 7), seed=st.integers(0, 10_000))
 def test_paired_late_interaction_is_diagonal_of_matrix(b, lq, ld, seed):
     g = torch.Generator().manual_seed(seed)

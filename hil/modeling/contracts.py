@@ -87,7 +87,9 @@ class Encoder(nn.Module, metaclass=ABCMeta):
     def scores_repeated_padding(self) -> bool:
         """Whether ``score`` takes documents whose padding repeats their own tokens
         (``EncodedBatch.padding_repeats_tokens``), which saves masking the largest tensor of a search. Only a pure
-        MaxSim-and-sum score may say so; anything that counts or normalises over a document's tokens may not."""
+        MaxSim-and-sum score may say so; anything that counts or normalises over a document's tokens may not. Such a
+        score reads the documents' vectors alone: retrieval then hands it documents whose token ids were not read
+        (zeros)."""
         return False
 
     @property

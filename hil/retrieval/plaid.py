@@ -46,6 +46,8 @@ from hil.retrieval.devices import canonical_device
 
 # Rows of the (n_tokens, D) table handled at once when assigning codes: bounds the fp32 copy (16 MiB at D=128).
 _ASSIGN_BLOCK = 1 << 15
+# Stage 2 scatters into a (Lq, n_docs) table when it has at most this many cells per probed entry (cell_scores).
+_DENSE_RATIO = 16
 # Rows of a plan's table copied to a device at once (bounds the host temporary: 64 MiB of int32 codes).
 _UPLOAD_BLOCK = 1 << 24
 
@@ -223,14 +225,19 @@ def probe_cells(centroid_scores: torch.Tensor, nprobe: int) -> torch.Tensor:
     return centroid_scores.topk(nprobe, dim=1, sorted=False).indices
 
 
-def cell_scores(plan: CentroidPlan, centroid_scores: torch.Tensor, cells: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def cell_scores(plan: CentroidPlan, centroid_scores: torch.Tensor, cells: torch.Tensor, *,
+                dense: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Stage 1 and 2: candidate documents and their probed-cells lower bound of the centroid interaction.
 
     For query token i and a document d owning a token in a probed centroid, ``m_i(d) = max_{c in probe(i), d in
     ivf(c)} q_i . C_c``; the bound is ``sum_i m_i(d)`` over the tokens that reached d (the others add nothing).
     centroid_scores (Lq, C), cells (Lq, nprobe) -> (docs (N,) int64 ascending, bound (N,) float32), on
     ``centroid_scores``' device, where every step runs.
+
+    The scatter-max goes into a (Lq, n_docs) table when that table is small next to the entries (``dense`` None:
+    ``Lq * n_docs <= _DENSE_RATIO * entries``; a small corpus, where sorting the entries costs more than the table), else into
+    (Lq, N) after a sort of the entries' documents (``torch.unique``). Both give the same numbers (the same values
+    summed in the same order); ``dense`` forces one (tests).
     """
     device = centroid_scores.device
     tables = plan.tables(device)
@@ -242,22 +249,32 @@ def cell_scores(plan: CentroidPlan, centroid_scores: torch.Tensor, cells: torch.
     if n_entries == 0:
         return (torch.zeros(0, dtype=torch.int64, device=device),
                 torch.zeros(0, dtype=centroid_scores.dtype, device=device))
-    # Every (probed cell, document) entry: its document and the query token / score it came with.
+    # Every (probed cell, document) entry: the probe it came from (probes are token-major: token = probe // nprobe),
+    # hence its place in the inverted file, its document and its score.
+    probe = torch.repeat_interleave(torch.arange(len(sizes), device=device), sizes, output_size=n_entries)
     list_start = torch.cumsum(sizes, 0) - sizes  # where each probe's entries begin among all entries
-    positions = (torch.repeat_interleave(starts - list_start, sizes, output_size=n_entries)
-                 + torch.arange(n_entries, device=device))
-    entry_doc = tables.ivf_docs[positions]
-    token_of_probe = torch.arange(n_tokens_q, device=device).repeat_interleave(nprobe)
-    entry_token = torch.repeat_interleave(token_of_probe, sizes, output_size=n_entries)
-    probe_scores = centroid_scores.gather(1, cells).reshape(-1)  # (Lq * nprobe,)
-    entry_score = torch.repeat_interleave(probe_scores, sizes, output_size=n_entries)
-    docs, doc_of_entry = torch.unique(entry_doc, sorted=True, return_inverse=True)
-    # max over the cells of one (token, doc) pair, then sum over tokens: a scatter-max into (Lq, N), then a sum.
-    best = torch.full((n_tokens_q * len(docs),), -torch.inf, dtype=entry_score.dtype, device=device)
-    best.scatter_reduce_(0, entry_token * len(docs) + doc_of_entry, entry_score, reduce="amax")
-    best = best.view(n_tokens_q, len(docs))
-    bound = torch.where(torch.isinf(best), torch.zeros_like(best), best).sum(dim=0)
-    return docs.long(), bound
+    entry_doc = tables.ivf_docs[(starts - list_start)[probe] + torch.arange(n_entries, device=device)]
+    entry_token = probe // nprobe
+    entry_score = centroid_scores.gather(1, cells).reshape(-1)[probe]
+    n_docs = len(tables.doc_offsets) - 1
+    if dense is None:
+        dense = n_tokens_q * n_docs <= _DENSE_RATIO * n_entries
+    if dense:  # documents by number: no sort; the reached ones are read off a flag per document
+        reached = torch.zeros(n_docs, dtype=torch.bool, device=device)
+        reached[entry_doc.long()] = True
+        docs = reached.nonzero().reshape(-1)
+        width, column = n_docs, entry_doc.long()
+    else:
+        docs, column = torch.unique(entry_doc, sorted=True, return_inverse=True)
+        docs, width = docs.long(), len(docs)
+    # max over the cells of one (token, doc) pair, then sum over tokens: a scatter-max into (Lq, width), then a sum.
+    # include_self=False: a pair no entry reached keeps its 0 (the token adds nothing), a reached one gets the max
+    # of its entries alone, negative or not.
+    best = torch.zeros((n_tokens_q, width), dtype=entry_score.dtype, device=device)
+    best.view(-1).scatter_reduce_(0, entry_token * width + column, entry_score, reduce="amax", include_self=False)
+    if dense:
+        best = best.index_select(1, docs)
+    return docs, best.sum(dim=0)
 
 
 def _length_blocks(sorted_lengths: torch.Tensor, budget: int) -> Iterator[tuple[slice, int]]:
@@ -273,15 +290,13 @@ def _length_blocks(sorted_lengths: torch.Tensor, budget: int) -> Iterator[tuple[
         start += count
 
 
-def _padded_rows(doc_offsets: torch.Tensor, docs: torch.Tensor, lengths: torch.Tensor, width: int,
-                 last_row: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`hil.retrieval.store.padded_rows` on the tables' device: token rows of ``docs`` padded to ``width``
-    (padding repeats a stored row, masked afterwards). -> rows (N, width) int64, mask (N, width) bool."""
-    starts = doc_offsets[docs]
+def _repeating_rows(offsets: torch.Tensor, docs: torch.Tensor, lengths: torch.Tensor, width: int,
+                    last_row: int) -> torch.Tensor:
+    """Rows ``offsets[d] ..`` of each document padded to ``width`` by repeating its last row (an empty document's
+    rows are some other document's: its caller sets it to 0). -> (N, width) int64 on the tables' device."""
     positions = torch.arange(width, device=docs.device)
-    mask = positions[None, :] < lengths[:, None]
-    rows = torch.where(mask, starts[:, None] + positions[None, :], starts.clamp(max=last_row)[:, None])
-    return rows, mask
+    last = (lengths - 1).clamp(min=0)
+    return (offsets[docs][:, None] + torch.minimum(positions[None, :], last[:, None])).clamp(max=last_row)
 
 
 def centroid_interaction(plan: CentroidPlan, centroid_scores: torch.Tensor, docs: torch.Tensor | np.ndarray, *,
@@ -304,13 +319,16 @@ def centroid_interaction(plan: CentroidPlan, centroid_scores: torch.Tensor, docs
     offsets = tables.doc_code_offsets
     lengths = offsets[docs + 1] - offsets[docs]
     order = torch.argsort(lengths, stable=True)
+    last_row = max(len(tables.doc_codes) - 1, 0)
     for block, width in _length_blocks(lengths[order], max(1, block_elements // max(1, n_q))):
         picked = order[block]
-        rows, _ = _padded_rows(offsets, docs[picked], lengths[picked], width, max(len(tables.doc_codes) - 1, 0))
-        sims = table[tables.doc_codes[rows]]  # (Nb, Lmax, Lq): the score of every (centroid, query token) pair
-        # No mask: a document's padding repeats its own first centroid, and a max is unchanged by a repeated
-        # element (one pass over the largest tensor of the search saved, and no transposed copy). Only an empty
-        # document, whose padding is another document's centroid, is set to 0 afterwards, as the masked max gave it.
+        rows = _repeating_rows(offsets, docs[picked], lengths[picked], width, last_row)
+        # index_select, not advanced indexing: whole rows of Lq scores copied at once (several times faster on a CPU)
+        codes = tables.doc_codes.index_select(0, rows.reshape(-1))
+        sims = table.index_select(0, codes).view(len(picked), width, n_q)  # the score of every (centroid, q token)
+        # No mask: a document's padding repeats its own last centroid, and a max is unchanged by a repeated element
+        # (one pass over the largest tensor of the search saved). Only an empty document, whose padding is another
+        # document's centroid, is set to 0 afterwards, as the masked max gave it.
         best = sims.amax(dim=1).sum(dim=1)  # Eq. 3: max over the document's centroids, summed over Lq
         out[picked] = torch.where(lengths[picked] > 0, best, torch.zeros_like(best))
     return out
@@ -319,14 +337,23 @@ def centroid_interaction(plan: CentroidPlan, centroid_scores: torch.Tensor, docs
 def top_by_score(docs: torch.Tensor | np.ndarray, scores: torch.Tensor | np.ndarray, count: int
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``count`` best documents by score (ties: lower document number first), in their given (ascending)
-    order, on ``scores``' device. -> (docs, scores) tensors."""
+    order, on ``scores``' device. -> (docs, scores) tensors.
+
+    No sort of all the scores: ``topk`` finds the ``count``-th best score, every score above it is kept, and the
+    places left go to the documents tied at it, lowest numbers first.
+    """
     scores = _on(scores, scores.device if isinstance(scores, torch.Tensor) else torch.device("cpu"))
     docs = _on(docs, scores.device)
     if len(docs) <= count:
         return docs, scores
-    by_doc = torch.argsort(docs, stable=True)
-    by_score = by_doc[torch.argsort(scores[by_doc], descending=True, stable=True)]  # score, then document
-    keep = torch.sort(by_score[:count]).values
+    if count < 1:
+        return docs[:0], scores[:0]
+    cut = scores.topk(count, sorted=False).values.min()
+    keep = scores > cut
+    tied = (scores == cut).nonzero().reshape(-1)
+    # ``count - (above the cut)`` of the tied documents, by document number (``tied`` is in position order)
+    wanted = count - int(keep.sum())
+    keep[tied[torch.argsort(docs[tied], stable=True)[:wanted]]] = True
     return docs[keep], scores[keep]
 
 

@@ -91,8 +91,10 @@ def _blocks(encoder: Encoder, queries: EncodedBatch, store: TokenStore, doc_indi
     query_len = queries.mask.shape[1]
     for start, end in length_blocks(lengths[order], block_tokens):
         block = order[start:end]
+        # A pure MaxSim (scores_repeated_padding) reads the vectors alone: no mask needed, no token ids read.
+        pure_maxsim = encoder.scores_repeated_padding
         docs = gather_documents(store, doc_indices[block], heads=encoder.head_names, device=encoder.device,
-                                repeat_padding=encoder.scores_repeated_padding)
+                                repeat_padding=pure_maxsim, token_ids=not pure_maxsim)
         step = max(1, _SIM_ELEMENTS // max(1, query_len * docs.mask.numel()))  # queries per score call
         for q_start in range(0, len(queries), step):
             yield block, slice(q_start, q_start + step), docs

@@ -136,7 +136,7 @@ def padded_rows(doc_offsets: np.ndarray, docs: np.ndarray) -> tuple[torch.Tensor
 
 def gather_documents(store: TokenStore, doc_indices: Sequence[int] | np.ndarray, *,
                      heads: Sequence[str] | None = None, device: torch.device | str | None = None,
-                     repeat_padding: bool = False) -> EncodedBatch:
+                     repeat_padding: bool = False, token_ids: bool = True) -> EncodedBatch:
     """Stored documents as a padded :class:`EncodedBatch`: heads (C, Lmax, D) fp32, mask (C, Lmax), input_ids.
 
     Every stored token takes part in scoring (only scored tokens are stored), so the mask is True exactly on the
@@ -147,6 +147,9 @@ def gather_documents(store: TokenStore, doc_indices: Sequence[int] | np.ndarray,
     ``repeat_padding``: leave the vectors at padding positions as read, i.e. copies of the document's own first
     token, and say so (``padding_repeats_tokens``) when every document has a token; a MaxSim then needs no mask
     (:attr:`hil.modeling.contracts.Encoder.scores_repeated_padding`). Token ids are zeroed either way.
+
+    ``token_ids=False``: the token ids are not read (a score that reads the vectors alone); ``input_ids`` is then
+    zeros (one expanded element, no memory).
     """
     doc_indices = np.asarray(doc_indices, dtype=np.int64)
     rows, mask = padded_rows(store.doc_offsets, doc_indices)
@@ -179,4 +182,6 @@ def gather_documents(store: TokenStore, doc_indices: Sequence[int] | np.ndarray,
         return read(store.torch_view(head), torch.float32, vectors_padding)
 
     encoded = {head: read_vectors(head) for head in (heads if heads is not None else store.head_names)}
-    return EncodedBatch(encoded, ~padding, read(store.torch_view("token_ids"), torch.long), repeats)
+    ids = (read(store.torch_view("token_ids"), torch.long) if token_ids
+           else torch.zeros((), dtype=torch.long, device=device).expand(n, width))
+    return EncodedBatch(encoded, ~padding, ids, repeats)
