@@ -106,7 +106,8 @@ def test_hil_evaluate_from_recipes_matches_evaluate_py_and_records_what_ran(tiny
     assert new["results"][model_new]["metrics"] == old["results"][model_old]["metrics"]
     assert new["results"]["bm25"]["metrics"] == old["results"]["bm25"]["metrics"]
     used = new["results"][model_new]["search_stats"]["search"]
-    assert used == {"backend": "plaid", "nprobe": 2, "ndocs": 256, "stage2_docs": 1024}
+    # nprobe as given; ndocs and stage2_docs ColBERTv2's for the recipe's k = 1000
+    assert used == {"backend": "plaid", "nprobe": 2, "ndocs": 1024, "stage2_docs": 4096}
     assert new["results"][model_new]["backend"]["params"]["n_centroids"] == 8
     assert new["settings"]["evaluation"]["search"]["init_args"]["nprobe"] == 2
     assert new["statistics"]["p_adjust"]["method"] == "holm"
@@ -195,4 +196,5 @@ def test_every_hil_command_of_the_readme_parses(tiny):
     config.write_text(yaml.group(1))
     experiment = parse_experiment(["--config", str(config)], "hil evaluate")
     assert [d.name for d in experiment.datasets] == ["scifact", "msmarco/dl19"]
-    assert experiment.settings.backend.residual_bits == 2 and experiment.settings.search.nprobe == 8
+    assert experiment.settings.backend.residual_bits == 2 and experiment.settings.search.nprobe is None
+    assert experiment.settings.resolved_search.given() == {"nprobe": 4, "ndocs": 1024, "stage2_docs": 4096}  # k 1000

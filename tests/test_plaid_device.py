@@ -347,10 +347,10 @@ def test_an_opened_backend_searches_on_its_device(indexes, monkeypatch):
     monkeypatch.setattr(centroid, "plaid_candidates", recording)
     with eval_mode(encoder):
         queries = encoder.encode_queries([QUERIES["q1"]])
-    open_backend(plain, device=torch.device("meta")).candidates(queries, ("a", "b"))
+    open_backend(plain, device=torch.device("meta"), depth=5).candidates(queries, ("a", "b"))
     assert seen == [torch.device("meta")] * 2
     seen.clear()
-    open_backend(plain).candidates(queries, ("a", "b"))
+    open_backend(plain, depth=5).candidates(queries, ("a", "b"))
     assert seen == [queries.mask.device] * 2
 
 # -- on a GPU: the same results as on the CPU ----------------------------------------------------------------------

@@ -97,11 +97,55 @@ def test_the_backend_searches_and_records_its_settings(plaid):
         assert got == expected, qid
 
 
-def test_without_any_setting_the_defaults_are_used(plaid):
+# ColBERTv2's Searcher.dense_search by k (ncells; its ndocs is our stage2_docs, a quarter of it scored exactly),
+# written out by hand: k -> (nprobe, ndocs, stage2_docs)
+COLBERTV2_BY_K = {1: (1, 64, 256), 10: (1, 64, 256), 11: (2, 256, 1024), 100: (2, 256, 1024),
+                  101: (4, 1024, 4096), 1000: (4, 1024, 4096), 1025: (4, 1025, 4100), 5000: (4, 5000, 20000)}
+
+
+@pytest.mark.parametrize("k", list(COLBERTV2_BY_K))
+def test_the_defaults_are_colbertv2s_for_the_ranking_depth(k):
+    assert PlaidSearchConfig().for_depth(k) == PlaidSearchConfig(*COLBERTV2_BY_K[k])
+
+
+def test_given_values_are_kept_and_the_others_follow_them():
+    assert PlaidSearchConfig(nprobe=7).for_depth(100) == PlaidSearchConfig(7, 256, 1024)
+    assert PlaidSearchConfig(ndocs=50).for_depth(100) == PlaidSearchConfig(2, 50, 200)  # ColBERTv2's 4:1
+    assert PlaidSearchConfig(stage2_docs=600).for_depth(100) == PlaidSearchConfig(2, 256, 600)
+    assert PlaidSearchConfig(stage2_docs=100).for_depth(100) == PlaidSearchConfig(2, 100, 100)  # at most stage 2
+    assert PlaidSearchConfig(3, 5, 9).for_depth(1000) == PlaidSearchConfig(3, 5, 9)
+
+
+@pytest.mark.parametrize("k", [10, 100, 1000])
+def test_without_any_setting_the_defaults_for_k_are_used(plaid, k):
     encoder, index = plaid
-    defaults = PlaidSearchConfig()
-    result = full_rank(encoder, index, QUERIES, k=100, keep_candidate_sources=True, progress=False)
-    assert result.stats["search"] == {"backend": "plaid", "nprobe": defaults.nprobe, "ndocs": defaults.ndocs,
-                                      "stage2_docs": defaults.stage2_docs}
-    assert result.sources == intended(encoder, index, defaults.nprobe, defaults.ndocs, defaults.stage2_docs)
+    nprobe, ndocs, stage2_docs = COLBERTV2_BY_K[k]
+    result = full_rank(encoder, index, QUERIES, k=k, keep_candidate_sources=True, progress=False)
+    assert result.stats["search"] == {"backend": "plaid", "nprobe": nprobe, "ndocs": ndocs, "stage2_docs": stage2_docs}
+    assert result.sources == intended(encoder, index, nprobe, ndocs, stage2_docs)
     np.testing.assert_array_equal(sorted(result.run), sorted(QUERIES))
+
+
+def test_a_backend_without_a_depth_refuses_unset_defaults(plaid):
+    encoder, index = plaid
+    with eval_mode(encoder):
+        queries = encoder.encode_queries(["one query"])
+    with pytest.raises(ValueError, match="depth"):
+        open_backend(index).candidates(queries, HEADS)
+
+
+def test_fewer_candidates_than_k_are_announced(plaid):
+    encoder, index = plaid
+    with pytest.warns(UserWarning, match="ndocs=3 < k=10"):
+        full_rank(encoder, index, QUERIES, k=10, max_candidates=3, progress=False)
+
+
+def test_evaluation_records_the_values_its_search_applies():
+    from hil.evaluation.evaluate import EvaluationSettings
+
+    for k in (10, 100, 1000):
+        settings = EvaluationSettings(k=k, backend="plaid", index_root="unused")
+        assert settings.resolved_search.given() == dict(zip(("nprobe", "ndocs", "stage2_docs"), COLBERTV2_BY_K[k]))
+        assert settings.search is None  # the request stays "defaults"
+    given = EvaluationSettings(k=1000, backend="plaid", index_root="x", search=PlaidSearchConfig(nprobe=8))
+    assert given.resolved_search.given() == {"nprobe": 8, "ndocs": 1024, "stage2_docs": 4096}

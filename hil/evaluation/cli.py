@@ -115,8 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the index's search back-end (--faiss: the name before 0.2)")
     parser.add_argument("--backend-params", "--faiss-params", dest="backend_params", type=json_object, default=None,
                         help='its settings as JSON, build-time and search-time together, e.g. \'{"nlist": 1024, '
-                             '"m": 16, "nbits": 8, "nprobe": 16}\' (ivfpq) or \'{"n_centroids": 4096, "nprobe": 8, '
-                             '"ndocs": 256, "stage2_docs": 1024}\' (plaid); build-time ones decide the index, '
+                             '"m": 16, "nbits": 8, "nprobe": 16}\' (ivfpq) or \'{"n_centroids": 4096, "nprobe": 2, '
+                             '"ndocs": 256, "stage2_docs": 1024}\' (plaid; unset: ColBERTv2\'s values for --k); '
+                             'build-time ones decide the index, '
                              'search-time ones are applied at every search (hil.retrieval.backends.configs)')
     parser.add_argument("--encode-documents", choices=("fp32", *DOCUMENT_ENCODINGS), default="fp32",
                         help="how the corpus is encoded (queries stay fp32): onnx-int8 = ONNX Runtime with int8 "

@@ -170,8 +170,9 @@ class EvaluationSettings:
     @property
     def resolved_search(self) -> SearchConfig:
         """The search-time settings applied: ``search``, or the back-end's defaults when it is None (kept None in
-        the settings so that a default is never recorded or compared as a request)."""
-        return check_search(self.backend.kind, self.search)
+        the settings so that a default is never recorded or compared as a request), with the defaults that depend
+        on the ranking depth (PLAID's) taken for ``k``: what is recorded and compared is what a search applies."""
+        return check_search(self.backend.kind, self.search).for_depth(self.k)
 
 
 @dataclass

@@ -17,6 +17,7 @@ a damaged index).
 from __future__ import annotations
 
 import time
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import combinations
@@ -231,7 +232,11 @@ def full_rank(encoder: Encoder, index: TokenIndex, queries: dict[str, str], *, k
                   "stage2_docs": stage2_docs}
     search = with_search_values(kind, search, fields)
     backend = open_backend(index, search, use_gpu=use_gpu, gpu_device=gpu_device,
-                           device=None if device is None else resolve_device(device))
+                           device=None if device is None else resolve_device(device), depth=k)
+    candidates_cap = getattr(backend.search, "ndocs", None) if kind == "plaid" else None
+    if candidates_cap is not None and candidates_cap < k:  # a run shorter than k would be read as one of depth k
+        warnings.warn(f"plaid: ndocs={candidates_cap} < k={k}: each head proposes at most {candidates_cap} documents, "
+                      f"so a query may rank fewer than {k}", stacklevel=2)
     overlap = _HeadOverlap(heads)
     run: dict[str, dict[str, float]] = {}
     sources: dict[str, dict[str, tuple[str, ...]]] = {}

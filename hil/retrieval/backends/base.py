@@ -45,7 +45,8 @@ class SearchBackend(ABC):
     settings class), ``search_config`` (its search-time settings class) and ``stores_files`` (False when the
     structure is rebuilt in memory from the vectors). ``search`` is applied to every search of this instance;
     ``use_gpu`` / ``gpu_device`` say where FAISS searches (where faiss-gpu sees that GPU); ``device`` where torch
-    search stages run (PLAID's; None: where the query vectors are, i.e. the encoder's device).
+    search stages run (PLAID's; None: where the query vectors are, i.e. the encoder's device); ``depth``: the k
+    the searches rank to, which settings left None may depend on (:meth:`SearchConfig.for_depth`).
     """
 
     kind: ClassVar[str]
@@ -54,9 +55,11 @@ class SearchBackend(ABC):
     stores_files: ClassVar[bool] = True
 
     def __init__(self, index: TokenIndex, search: SearchConfig | None = None, *, use_gpu: bool = False,
-                 gpu_device: int = 0, device: torch.device | None = None):
+                 gpu_device: int = 0, device: torch.device | None = None, depth: int | None = None):
         self.index = index
         self.search = check_search(self.kind, search)
+        if depth is not None:  # defaults that depend on the ranking depth k (PLAID's) take their values now
+            self.search = self.search.for_depth(depth)
         self.use_gpu = use_gpu
         self.gpu_device = gpu_device
         self.device = device

@@ -134,6 +134,9 @@ class PlaidBackend(SearchBackend):
         return cache[key]
 
     def candidates(self, queries: EncodedBatch, heads: Sequence[str]) -> list[Candidates]:
+        if not self.search.resolved:
+            raise ValueError("PLAID's default nprobe / ndocs / stage2_docs depend on the ranking depth: open the "
+                             "back-end with depth=k, or give all three (PlaidSearchConfig.for_depth)")
         return [self._query_candidates(queries, row, heads) for row in range(len(queries))]
 
     def _query_candidates(self, queries: EncodedBatch, row: int, heads: Sequence[str]) -> Candidates:
@@ -160,7 +163,7 @@ class PlaidBackend(SearchBackend):
         stats = super().search_stats()
         n_centroids = min((len(plan.centroids) for key, plan in self.index.search_structures.items()
                            if key[0] == "plan"), default=None)
-        if n_centroids is not None:
+        if n_centroids is not None and self.search.nprobe is not None:
             stats["nprobe"] = min(self.search.nprobe, n_centroids)
         return stats
 

@@ -61,6 +61,11 @@ class IndexConfig(BackendConfig):
 class SearchConfig(BackendConfig):
     """Search-time settings of a back-end (see the module docstring)."""
 
+    def for_depth(self, k: int) -> "SearchConfig":
+        """The settings a search ranking ``k`` documents applies: these, unless a back-end's defaults depend on k
+        (PLAID's do: :meth:`PlaidSearchConfig.for_depth`)."""
+        return self
+
 
 # -- build time -------------------------------------------------------------------------------------------------
 
@@ -157,16 +162,37 @@ class IvfSearchConfig(FlatSearchConfig):
 class PlaidSearchConfig(SearchConfig):
     """PLAID's three candidate stages (:mod:`hil.retrieval.plaid`): each query token probes ``nprobe`` centroids,
     ``stage2_docs`` documents survive the probed-cells bound, and each head keeps its ``ndocs`` best documents by
-    centroid interaction for exact scoring."""
+    centroid interaction for exact scoring.
+
+    A field left None takes ColBERTv2's value for the ranking depth ``k`` (:meth:`for_depth`; stanford-futuredata/
+    ColBERT, ``Searcher.dense_search``): k <= 10: 1 cell, 256 documents; k <= 100: 2 cells, 1,024; else 4 cells,
+    max(4k, 4,096). ColBERTv2's count is our ``stage2_docs``; it scores a quarter of them exactly
+    (``ndocs = stage2_docs / 4``: 64, 256, max(k, 1,024)), so a search never returns fewer than k documents by
+    default. Given only ``ndocs``, ``stage2_docs`` is ``4 * ndocs`` (the same ratio); given only ``stage2_docs``,
+    ``ndocs`` is the default for k, at most ``stage2_docs``.
+    """
 
     kind: ClassVar[str] = "plaid"
-    nprobe: int = 8
-    ndocs: int = 256
-    stage2_docs: int = 1024
+    nprobe: int | None = None
+    ndocs: int | None = None
+    stage2_docs: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("nprobe", "ndocs", "stage2_docs"):
             _at_least(self, name, getattr(self, name))
+
+    def for_depth(self, k: int) -> "PlaidSearchConfig":
+        """Every field set: the given ones kept, the others ColBERTv2's for ranking depth ``k`` (class docstring)."""
+        _at_least(self, "k", k)
+        cells, colbert_ndocs = (1, 256) if k <= 10 else (2, 1024) if k <= 100 else (4, max(4 * k, 4096))
+        ndocs = self.ndocs if self.ndocs is not None else min(colbert_ndocs // 4, self.stage2_docs or colbert_ndocs)
+        stage2_docs = self.stage2_docs if self.stage2_docs is not None else (
+            4 * self.ndocs if self.ndocs is not None else colbert_ndocs)
+        return PlaidSearchConfig(self.nprobe if self.nprobe is not None else cells, ndocs, stage2_docs)
+
+    @property
+    def resolved(self) -> bool:
+        return None not in (self.nprobe, self.ndocs, self.stage2_docs)
 
 
 INDEX_CONFIGS: dict[str, type[IndexConfig]] = {

@@ -29,11 +29,13 @@ def backend_class(kind: str) -> type[SearchBackend]:
 
 
 def open_backend(index: TokenIndex, search: SearchConfig | None = None, *, use_gpu: bool = False,
-                 gpu_device: int = 0, device: torch.device | None = None) -> SearchBackend:
+                 gpu_device: int = 0, device: torch.device | None = None, depth: int | None = None
+                 ) -> SearchBackend:
     """The back-end of ``index``'s kind, bound to it with search-time settings ``search`` (the kind's defaults when
-    None; settings of another kind are refused); ``device``: where its torch stages run (None: the queries').
+    None; settings of another kind are refused); ``device``: where its torch stages run (None: the queries');
+    ``depth``: the k its searches rank to (PLAID's defaults depend on it).
 
     Cheap: what it loads (FAISS indexes, centroid plans) is kept with the opened index, not with the back-end.
     """
     return backend_class(index.backend_settings["kind"])(index, search, use_gpu=use_gpu, gpu_device=gpu_device,
-                                                          device=device)
+                                                          device=device, depth=depth)
