@@ -167,9 +167,12 @@ def run(config: BenchConfig, job: Job) -> dict[str, Any]:
 
         options["query_encoder"] = onnx_query_encoder(encoder)
 
+    applied: dict[str, Any] = {}
+
     def ours_search(qid: str, text: str) -> dict[str, float]:
-        return full_rank(encoder, index, {qid: text}, k=common.k, batch_size=1, progress=False,
-                         **options).run.get(qid, {})
+        result = full_rank(encoder, index, {qid: text}, k=common.k, batch_size=1, progress=False, **options)
+        applied.update(result.stats["search"])  # the values the back-end used (PLAID's defaults depend on k)
+        return result.run.get(qid, {})
 
     work = Path(common.work) / f"pylate-{base_folder(config, dataset, encoder).name}"
     work.mkdir(parents=True, exist_ok=True)
@@ -206,6 +209,7 @@ def run(config: BenchConfig, job: Job) -> dict[str, Any]:
             peer_times[kind] += peer["indexes"][kind]["times_ms"]
     peers = {} if peer is None or "peer_error" in out else \
         {kind: {"times_ms": peer_times[kind], "run": peer["indexes"][kind]["run"]} for kind in settings.indexes}
+    out["ours_search_applied"] = applied
     out.update(compare(judged, {"times_ms": ours_times, "run": ours_run}, peers))
     out["ours"]["times_ms"] = ours_times
     for kind in peers:
@@ -219,11 +223,17 @@ def run(config: BenchConfig, job: Job) -> dict[str, Any]:
     return out
 
 
+def applied_settings(search: dict[str, Any]) -> str:
+    """``nprobe 2, ndocs 256, stage2_docs 1024`` from a search's recorded settings (empty: not recorded)."""
+    return ", ".join(f"{key} {value}" for key, value in search.items() if key != "backend") or "not recorded"
+
+
 def rows(label: str, result: dict[str, Any]) -> list[tuple[str, str, str]]:
     r, ours = result, result["ours"]
     found = [(f"peer-search ours {r['ours_variant']}", f"p50 {ours['p50_ms']:.1f} ms, p95 {ours['p95_ms']:.1f} ms",
-              f"nDCG@10 {fmt(ours.get('ndcg10'), 4)}; {r['queries']} queries one at a time, query encoding "
-              f"included, threads {r['threads']}, {r['warmup']} warm-up, {r['rounds']} round(s)")]
+              f"nDCG@10 {fmt(ours.get('ndcg10'), 4)}; {r['queries']} queries one at a time, k {r['k']}, query "
+              f"encoding included ({r.get('ours_query_encoding', 'fp32')}), threads {r['threads']}, {r['warmup']} "
+              f"warm-up, {r['rounds']} round(s); search {applied_settings(r.get('ours_search_applied', {}))}")]
     if "peer_error" in r:
         return found + [("peer-search PyLate", "not run", r["peer_error"])]
     versions = r.get("pylate_versions", {})
