@@ -231,7 +231,7 @@ def applied_settings(search: dict[str, Any]) -> str:
 def rows(label: str, result: dict[str, Any]) -> list[tuple[str, str, str]]:
     r, ours = result, result["ours"]
     found = [(f"peer-search ours {r['ours_variant']}", f"p50 {ours['p50_ms']:.1f} ms, p95 {ours['p95_ms']:.1f} ms",
-              f"nDCG@10 {fmt(ours.get('ndcg10'), 4)}; {r['queries']} queries one at a time, k {r['k']}, query "
+              f"nDCG@10 {fmt(ours.get('ndcg10'), 4)}; {r['queries']} queries one at a time, k {r.get('k')}, query "
               f"encoding included ({r.get('ours_query_encoding', 'fp32')}), threads {r['threads']}, {r['warmup']} "
               f"warm-up, {r['rounds']} round(s); search {applied_settings(r.get('ours_search_applied', {}))}")]
     if "peer_error" in r:
