@@ -80,8 +80,13 @@ def run_child(job: Job, config: BenchConfig, timeout: float | None) -> dict[str,
     # OMP_WAIT_POLICY=PASSIVE: idle OpenMP threads sleep instead of spinning. On a machine shared with other
     # work, spinning threads steal each other's time slices: measured here, one tiny-model query took 520 ms with
     # 2 spinning threads, 48 ms with passive ones and 77 ms with one thread. On an idle machine it costs little.
+    # ``default``: no OMP_WAIT_POLICY at all, i.e. OpenMP's own rule (spin a while, then sleep): on an idle machine
+    # the fastest for search, whose torch steps each wake the threads (bench/README.md, search).
+    policy = config.common.omp_wait_policy
     env = dict(os.environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, TOKENIZERS_PARALLELISM="false",
-               OMP_WAIT_POLICY=config.common.omp_wait_policy)
+               OMP_WAIT_POLICY=policy)
+    if policy == "default":
+        del env["OMP_WAIT_POLICY"]
     try:
         done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", job.section,
                                "--child-config", job_json(config, job)], capture_output=True, text=True, env=env,

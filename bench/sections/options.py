@@ -84,7 +84,8 @@ class CommonConfig:
     calibration_docs: int = option("--calibration-docs", 32, "int8: documents to calibrate on")
     k: int = option("--k", 100, "documents returned per query")
     omp_wait_policy: str = option("--omp-wait-policy", "PASSIVE", "OMP_WAIT_POLICY of the children (PASSIVE "
-                                  "suits a shared machine)", choices=("PASSIVE", "ACTIVE"))
+                                  "suits a shared machine; default: unset, OpenMP's spin-then-sleep, the fastest "
+                                  "search on an idle one)", choices=("PASSIVE", "ACTIVE", "default"))
     work: str = option("--work", str(BENCH / "work"), "index folder (reused between runs)")
 
 

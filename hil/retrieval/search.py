@@ -190,9 +190,13 @@ class _HeadOverlap:
 
 def _named_sources(index: TokenIndex, heads: Sequence[str], found: Candidates,
                    docs: list[int]) -> dict[str, tuple[str, ...]]:
-    """Document id -> the heads that proposed it, for ``docs`` (all among ``found``)."""
-    named = {d: tuple(h for h, flag in zip(heads, row) if flag) for d, row in zip(found.docs.tolist(), found.heads)}
-    return {index.doc_ids[d]: named[d] for d in docs}
+    """Document id -> the heads that proposed it, for ``docs`` (all among ``found``, whose docs are ascending)."""
+    rows = found.heads[np.searchsorted(found.docs, docs)].tolist() if len(docs) else []
+    names: dict[tuple[bool, ...], tuple[str, ...]] = {}  # one tuple of head names per combination of flags
+    for row in map(tuple, rows):
+        if row not in names:
+            names[row] = tuple(h for h, flag in zip(heads, row) if flag)
+    return {index.doc_ids[d]: names[tuple(row)] for d, row in zip(docs, rows)}
 
 
 def full_rank(encoder: Encoder, index: TokenIndex, queries: dict[str, str], *, k: int = 1000,
