@@ -171,13 +171,18 @@ def main(argv: list[str]) -> int:
     for kind in [part for part in args.indexes.split(",") if part]:
         index, build = open_index(kind, args, embed_corpus)
 
-        def search(qid: str, text: str, index: Any = index) -> dict[str, float]:
+        encode_ms: list[float] = []  # the query-encoding part of every call (warm-up ones first)
+
+        def search(qid: str, text: str, index: Any = index, encode_ms: list[float] = encode_ms) -> dict[str, float]:
+            tick = time.perf_counter()
             encoded = model.encode([text], is_query=True, show_progress_bar=False)
+            encode_ms.append(1000.0 * (time.perf_counter() - tick))
             return {hit["id"]: float(hit["score"]) for hit in index(encoded, k=args.k)[0]}
 
         run, times = time_one_at_a_time(search, queries, args.warmup)
         out["indexes"][kind] = {"settings": dict(zip(("build", "search"), index_settings(kind, args))),
-                                "build": build, "times_ms": times, "run": run, "threads_after": torch.get_num_threads()}
+                                "build": build, "times_ms": times, "encode_ms": encode_ms[len(encode_ms) - len(times):],
+                                "run": run, "threads_after": torch.get_num_threads()}
     out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
     tmp = args.out + ".tmp"
     with open(tmp, "w", encoding="utf-8") as handle:

@@ -330,3 +330,22 @@ def test_real_pylate_training_peer(shared_dir, tmp_path):
     assert peer["pylate"]["steps_timed"] == 2 and peer["pylate"]["queries"] == 4 and peer["pylate"]["threads"] == 1
     assert peer["ratio_vs_pylate"] == pytest.approx(peer["ours"]["queries_per_s"] / peer["pylate"]["queries_per_s"])
     assert math.isfinite(peer["pylate"]["last_loss"])
+
+
+def test_search_alone_is_each_call_minus_its_own_encoding(section):
+    dataset = tiny_dataset()
+    run = {"q1": {"d1": 1.0}, "q2": {"d3": 2.0}}
+    ours = {"times_ms": [10.0, 30.0, 20.0], "encode_ms": [4.0, 5.0, 6.0], "run": run}
+    peer = {"times_ms": [50.0, 40.0, 90.0], "encode_ms": [20.0, 30.0, 10.0], "run": run}
+    result = section.compare(dataset, ours, {"warp": peer})
+    assert result["ours"]["search_alone"]["p50_ms"] == pytest.approx(np.percentile([6.0, 25.0, 14.0], 50))
+    warp = result["pylate"]["warp"]
+    assert warp["search_alone"]["p95_ms"] == pytest.approx(np.percentile([30.0, 10.0, 80.0], 95))
+    assert warp["search_time_ratio_p50"] == pytest.approx(30.0 / 14.0)
+    assert warp["encode"]["p50_ms"] == pytest.approx(20.0)
+    no_encoding = section.compare(dataset, {"times_ms": [1.0, 2.0], "run": run}, {"warp": peer})
+    assert "search_alone" not in no_encoding["ours"] and "search_time_ratio_p50" not in no_encoding["pylate"]["warp"]
+    text = " ".join(" ".join(row) for row in section.rows("x", {**result, "queries": 3, "threads": 2, "warmup": 1,
+                                                              "rounds": 1, "ours_variant": "plaid",
+                                                              "pylate_versions": {}}))
+    assert "search alone p50 14.0 ms" in text and "search alone x2.14 p50" in text

@@ -20,6 +20,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from sections.common import (INDEX_VARIANTS, base_folder, base_index, fmt, judged_queries, load_dataset, load_model,
                              ndcg, variant_index)
 from sections.options import BENCH, Job, comma_list, option
@@ -113,22 +115,37 @@ def read_peer(found: dict[str, Any], indexes: tuple[str, ...], query_ids: list[s
     return found
 
 
+def search_alone(side: dict[str, Any]) -> dict[str, Any]:
+    """``{"search_alone": percentiles}`` of each call's time minus its query-encoding part (``encode_ms``, one per
+    entry of ``times_ms``), or nothing when the side did not time its encoding."""
+    from measure import percentiles
+
+    encode = side.get("encode_ms")
+    if encode is None or len(encode) != len(side["times_ms"]):
+        return {}
+    alone = np.asarray(side["times_ms"], dtype=np.float64) - np.asarray(encode, dtype=np.float64)
+    return {"search_alone": percentiles(alone), "encode": percentiles(encode)}
+
+
 def compare(dataset: Any, ours: dict[str, Any], peers: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Each side's latency percentiles (over its ``times_ms``) and nDCG@10 (of its ``run``, scored against
     ``dataset``'s qrels by the same code), and for each peer index: ``time_ratio_p50`` / ``time_ratio_p95`` =
     PyLate's milliseconds / ours (above 1: ours is faster) and ours minus PyLate's per-query nDCG@10 (mean, paired
-    bootstrap 95% interval, p-value)."""
+    bootstrap 95% interval, p-value). Sides that timed their query encoding (``encode_ms``) also get the
+    percentiles of search alone (each call minus its encoding) and ``search_time_ratio_p50`` / ``_p95``."""
     from hil.evaluation.statistics import paired_bootstrap_test
     from measure import percentiles
 
     ours_ndcg, ours_per_query = ndcg(dataset, ours["run"])
-    mine = {**percentiles(ours["times_ms"]), "ndcg10": ours_ndcg}
+    mine = {**percentiles(ours["times_ms"]), "ndcg10": ours_ndcg, **search_alone(ours)}
     out: dict[str, Any] = {"ours": mine, "pylate": {}}
     for kind, side in peers.items():
         value, per_query = ndcg(dataset, side["run"])
-        stats = percentiles(side["times_ms"])
+        stats = {**percentiles(side["times_ms"]), **search_alone(side)}
         test = paired_bootstrap_test(ours_per_query, per_query, n_samples=10000, seed=0)
-        out["pylate"][kind] = {**stats, "ndcg10": value,
+        ratios = {f"search_time_ratio_{p}": stats["search_alone"][f"{p}_ms"] / mine["search_alone"][f"{p}_ms"]
+                  for p in ("p50", "p95") if "search_alone" in stats and "search_alone" in mine}
+        out["pylate"][kind] = {**stats, "ndcg10": value, **ratios,
                                "time_ratio_p50": stats["p50_ms"] / mine["p50_ms"],
                                "time_ratio_p95": stats["p95_ms"] / mine["p95_ms"],
                                "ndcg10_ours_minus_pylate": {"mean_diff": test.mean_diff, "ci95": list(test.ci),
@@ -168,10 +185,12 @@ def run(config: BenchConfig, job: Job) -> dict[str, Any]:
         options["query_encoder"] = onnx_query_encoder(encoder)
 
     applied: dict[str, Any] = {}
+    ours_encode: list[float] = []  # the query-encoding part of every call (full_rank's encode_s)
 
     def ours_search(qid: str, text: str) -> dict[str, float]:
         result = full_rank(encoder, index, {qid: text}, k=common.k, batch_size=1, progress=False, **options)
         applied.update(result.stats["search"])  # the values the back-end used (PLAID's defaults depend on k)
+        ours_encode.append(1000.0 * result.stats["encode_s"])
         return result.run.get(qid, {})
 
     work = Path(common.work) / f"pylate-{base_folder(config, dataset, encoder).name}"
@@ -187,6 +206,7 @@ def run(config: BenchConfig, job: Job) -> dict[str, Any]:
                            "model": common.export or common.model, "peer_python": python}
     ours_times: list[float] = []
     peer_times: dict[str, list[float]] = {kind: [] for kind in settings.indexes}
+    peer_encode: dict[str, list[float]] = {kind: [] for kind in settings.indexes}
     ours_run: dict[str, dict[str, float]] = {}
     peer: dict[str, Any] | None = None
     try:
@@ -194,9 +214,12 @@ def run(config: BenchConfig, job: Job) -> dict[str, Any]:
         arguments = peer_arguments(config, model_dir, corpus_path, queries_path, work, dataset.fingerprint())
     except PeerError as error:
         out["peer_error"], arguments = str(error), None
+    ours_encode_timed: list[float] = []
     for _ in range(max(1, settings.rounds)):  # ours, then PyLate's, alternating: a change of load hits both
+        ours_encode.clear()
         ours_run, times = time_one_at_a_time(ours_search, queries, settings.warmup)
         ours_times += times
+        ours_encode_timed += ours_encode[len(ours_encode) - len(times):]  # the warm-up calls come first
         if arguments is None or "peer_error" in out:
             continue
         try:
@@ -207,14 +230,17 @@ def run(config: BenchConfig, job: Job) -> dict[str, Any]:
             continue
         for kind in settings.indexes:
             peer_times[kind] += peer["indexes"][kind]["times_ms"]
+            peer_encode[kind] += peer["indexes"][kind].get("encode_ms", [])
     peers = {} if peer is None or "peer_error" in out else \
-        {kind: {"times_ms": peer_times[kind], "run": peer["indexes"][kind]["run"]} for kind in settings.indexes}
+        {kind: {"times_ms": peer_times[kind], "encode_ms": peer_encode[kind], "run": peer["indexes"][kind]["run"]}
+         for kind in settings.indexes}
     out["ours_search_applied"] = applied
-    out.update(compare(judged, {"times_ms": ours_times, "run": ours_run}, peers))
-    out["ours"]["times_ms"] = ours_times
+    out.update(compare(judged, {"times_ms": ours_times, "encode_ms": ours_encode_timed, "run": ours_run}, peers))
+    out["ours"]["times_ms"], out["ours"]["encode_ms"] = ours_times, ours_encode_timed
     for kind in peers:
         side = peer["indexes"][kind]  # type: ignore[index]
-        out["pylate"][kind].update(times_ms=peer_times[kind], settings=side["settings"], build=side["build"])
+        out["pylate"][kind].update(times_ms=peer_times[kind], encode_ms=peer_encode[kind], settings=side["settings"],
+                                   build=side["build"])
     if peer is not None:
         out["pylate_versions"] = {"pylate": peer["pylate"], "torch": peer["torch"], **peer["versions"]}
         out["pylate_threads"] = peer["threads"]
@@ -228,9 +254,16 @@ def applied_settings(search: dict[str, Any]) -> str:
     return ", ".join(f"{key} {value}" for key, value in search.items() if key != "backend") or "not recorded"
 
 
+def alone_text(side: dict[str, Any]) -> str:
+    """``; search alone p50 .. / p95 .. ms`` when the side timed its query encoding, else nothing."""
+    alone = side.get("search_alone")
+    return f"; search alone p50 {alone['p50_ms']:.1f} ms, p95 {alone['p95_ms']:.1f} ms" if alone else ""
+
+
 def rows(label: str, result: dict[str, Any]) -> list[tuple[str, str, str]]:
     r, ours = result, result["ours"]
-    found = [(f"peer-search ours {r['ours_variant']}", f"p50 {ours['p50_ms']:.1f} ms, p95 {ours['p95_ms']:.1f} ms",
+    found = [(f"peer-search ours {r['ours_variant']}", f"p50 {ours['p50_ms']:.1f} ms, p95 {ours['p95_ms']:.1f} ms"
+              + alone_text(ours),
               f"nDCG@10 {fmt(ours.get('ndcg10'), 4)}; {r['queries']} queries one at a time, k {r.get('k')}, query "
               f"encoding included ({r.get('ours_query_encoding', 'fp32')}), threads {r['threads']}, {r['warmup']} "
               f"warm-up, {r['rounds']} round(s); search {applied_settings(r.get('ours_search_applied', {}))}")]
@@ -241,8 +274,12 @@ def rows(label: str, result: dict[str, Any]) -> list[tuple[str, str, str]]:
     for kind, side in r["pylate"].items():
         diff = side["ndcg10_ours_minus_pylate"]
         low, high = diff["ci95"]
-        found.append((f"peer-search PyLate {kind}", f"p50 {side['p50_ms']:.1f} ms, p95 {side['p95_ms']:.1f} ms",
-                      f"PyLate/ours time x{side['time_ratio_p50']:.2f} p50, x{side['time_ratio_p95']:.2f} p95 "
+        search_ratio = (f"; search alone x{side['search_time_ratio_p50']:.2f} p50, "
+                        f"x{side['search_time_ratio_p95']:.2f} p95" if "search_time_ratio_p50" in side else "")
+        found.append((f"peer-search PyLate {kind}", f"p50 {side['p50_ms']:.1f} ms, p95 {side['p95_ms']:.1f} ms"
+                      + alone_text(side),
+                      f"PyLate/ours time x{side['time_ratio_p50']:.2f} p50, x{side['time_ratio_p95']:.2f} p95"
+                      f"{search_ratio} "
                       f"(above 1: ours faster); nDCG@10 {side['ndcg10']:.4f} (ours {diff['mean_diff']:+.4f}, 95% CI "
                       f"[{low:+.4f}, {high:+.4f}], p {fmt(diff['p_value'], 2)}); pylate {versions.get('pylate')} "
                       f"{backend.get(kind, kind)} {versions.get(backend.get(kind, kind))}"))
