@@ -49,7 +49,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -73,20 +73,27 @@ def plan(config: BenchConfig) -> list[Job]:
     return [job for section in config.run.sections for job in SECTION_MODULES[section].jobs(config)]
 
 
-def run_child(job: Job, config: BenchConfig, timeout: float | None) -> dict[str, Any]:
-    """One section's job in a fresh process (so its peak RSS is its own); its result, or ``{"error": ...}``."""
-    tick = time.perf_counter()
-    threads = str(config.common.threads)
-    # OMP_WAIT_POLICY=PASSIVE: idle OpenMP threads sleep instead of spinning. On a machine shared with other
-    # work, spinning threads steal each other's time slices: measured here, one tiny-model query took 520 ms with
-    # 2 spinning threads, 48 ms with passive ones and 77 ms with one thread. On an idle machine it costs little.
-    # ``default``: no OMP_WAIT_POLICY at all, i.e. OpenMP's own rule (spin a while, then sleep): on an idle machine
-    # the fastest for search, whose torch steps each wake the threads (bench/README.md, search).
-    policy = config.common.omp_wait_policy
-    env = dict(os.environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, TOKENIZERS_PARALLELISM="false",
+def child_env(config: BenchConfig, environ: Mapping[str, str]) -> dict[str, str]:
+    """A child's environment: ``environ`` with the threads and OpenMP wait policy of ``config``.
+
+    OMP_WAIT_POLICY=PASSIVE: idle OpenMP threads sleep instead of spinning. On a machine shared with other work,
+    spinning threads steal each other's time slices: measured here, one tiny-model query took 520 ms with 2 spinning
+    threads, 48 ms with passive ones and 77 ms with one thread. ``default``: no OMP_WAIT_POLICY at all, OpenMP's own
+    rule (spin a while, then sleep): on an idle machine the fastest for search, whose every torch step would
+    otherwise wake sleeping threads (bench/README.md, search).
+    """
+    threads, policy = str(config.common.threads), config.common.omp_wait_policy
+    env = dict(environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, TOKENIZERS_PARALLELISM="false",
                OMP_WAIT_POLICY=policy)
     if policy == "default":
         del env["OMP_WAIT_POLICY"]
+    return env
+
+
+def run_child(job: Job, config: BenchConfig, timeout: float | None) -> dict[str, Any]:
+    """One section's job in a fresh process (so its peak RSS is its own); its result, or ``{"error": ...}``."""
+    tick = time.perf_counter()
+    env = child_env(config, os.environ)
     try:
         done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", job.section,
                                "--child-config", job_json(config, job)], capture_output=True, text=True, env=env,

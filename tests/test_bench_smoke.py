@@ -203,3 +203,14 @@ def test_peak_section_runs_as_a_child(bench):
     result = bench.run_child(Job("peak", "peak"), cfg, timeout=120)
     assert "error" not in result, result
     assert result["matmul_fp32_gflops"]["best"] > 0 and result["wall_s"] > 0
+
+
+@pytest.mark.parametrize("policy", ["PASSIVE", "ACTIVE", "default"])
+def test_children_get_the_threads_and_the_openmp_wait_policy(bench, policy):
+    env = bench.child_env(config(bench, "--threads", "3", "--omp-wait-policy", policy),
+                          {"OMP_WAIT_POLICY": "ACTIVE", "KEEP": "1"})
+    assert env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == "3" and env["KEEP"] == "1"
+    if policy == "default":  # unset, even when the parent had one: OpenMP's own spin-then-sleep
+        assert "OMP_WAIT_POLICY" not in env
+    else:
+        assert env["OMP_WAIT_POLICY"] == policy
