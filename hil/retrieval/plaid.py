@@ -235,9 +235,9 @@ def cell_scores(plan: CentroidPlan, centroid_scores: torch.Tensor, cells: torch.
     ``centroid_scores``' device, where every step runs.
 
     The scatter-max goes into a (Lq, n_docs) table when that table is small next to the entries (``dense`` None:
-    ``Lq * n_docs <= _DENSE_RATIO * entries``; a small corpus, where sorting the entries costs more than the table), else into
-    (Lq, N) after a sort of the entries' documents (``torch.unique``). Both give the same numbers (the same values
-    summed in the same order); ``dense`` forces one (tests).
+    ``Lq * n_docs <= _DENSE_RATIO * entries``; a small corpus, where sorting the entries costs more than the
+    table), else into (Lq, N) after a sort of the entries' documents (``torch.unique``). Both give the same numbers
+    (the same values summed in the same order); ``dense`` forces one (tests).
     """
     device = centroid_scores.device
     tables = plan.tables(device)
