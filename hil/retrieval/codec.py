@@ -94,8 +94,10 @@ class ResidualCodec:
         """codes (n,) integer, packed (n, packed_bytes) uint8, both on one device -> (n, D) float32 L2-normalized
         vectors, computed on that device."""
         byte_table, centroids = self.device_tables(packed.device)
-        residual = byte_table[packed.long()].reshape(len(packed), self.dim)  # (n, D)
-        vectors = centroids.index_select(0, codes.long()) + residual
+        # index_select copies a byte's 8 / nbits values at once (advanced indexing went value by value: ~4x slower
+        # for the 40k rows of one query's exact stage on a CPU); the same numbers.
+        residual = byte_table.index_select(0, packed.reshape(-1).to(torch.int32)).view(len(packed), self.dim)
+        vectors = residual.add_(centroids.index_select(0, codes.long()))  # (n, D)
         return torch.nn.functional.normalize(vectors, p=2, dim=-1)
 
     def decompress(self, codes: np.ndarray, packed: np.ndarray) -> np.ndarray:
