@@ -214,3 +214,17 @@ def test_children_get_the_threads_and_the_openmp_wait_policy(bench, policy):
         assert "OMP_WAIT_POLICY" not in env
     else:
         assert env["OMP_WAIT_POLICY"] == policy
+
+
+def test_encode_profile_groups_kernel_time_by_operator():
+    profile = load("encode_profile")
+    events = [
+        {"cat": "Node", "name": "attn_0_kernel_time", "dur": 30, "args": {"op_name": "QAttention"}},
+        {"cat": "Node", "name": "attn_1_kernel_time", "dur": 20, "args": {"op_name": "QAttention"}},
+        {"cat": "Node", "name": "ln_0_kernel_time", "dur": 70, "args": {"op_name": "SkipLayerNormalization"}},
+        {"cat": "Node", "name": "ln_0_fence_before", "dur": 999, "args": {"op_name": "SkipLayerNormalization"}},
+        {"cat": "Session", "name": "model_run", "dur": 5000},
+    ]
+    assert list(profile.operator_shares(events).items()) == [("SkipLayerNormalization", 70.0), ("QAttention", 50.0)]
+    options = profile.profiled_session_options("/tmp/x")()
+    assert options.enable_profiling and options.profile_file_prefix == "/tmp/x"
