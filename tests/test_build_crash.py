@@ -29,10 +29,12 @@ from hil.retrieval.chunks import KILL_AT_ENV
 from hil.retrieval.index import INDEX_JSON, TokenIndex
 from hil.retrieval.search import full_rank
 
+from toys import assert_same_index
+
 REPO = Path(__file__).resolve().parents[1]
 N_DOCS, CHUNK_DOCS, BATCH = 40, 10, 8  # 4 chunks
 SETTINGS = {"dim": 32, "doc_maxlen": 48, "query_maxlen": 16}
-PROVENANCE_KEYS = {"created", "versions", "git_commit", "host"}
+PROVENANCE_KEYS = frozenset({"created", "versions", "git_commit", "host"})  # encoded_on too is compared
 
 # What each process runs: the seeded encoder, then build_index / open_or_build_index, reporting the chunks it
 # encoded itself. With "go", it waits for that file first, so that two processes ask at the same moment.
@@ -120,21 +122,6 @@ def finish(process: subprocess.Popen, timeout: float = 240.0) -> tuple[int, str,
     return process.returncode, out, err
 
 
-def assert_same_index(directory: Path, reference: Path) -> None:
-    """Every file byte for byte; ``index.json`` equal but for provenance (time, host)."""
-    names = sorted(p.name for p in directory.iterdir())
-    assert names == sorted(p.name for p in reference.iterdir())
-    for name in names:
-        if name != INDEX_JSON:
-            assert (directory / name).read_bytes() == (reference / name).read_bytes(), f"{name} differs"
-
-    def comparable(folder: Path) -> dict:
-        meta = json.loads((folder / INDEX_JSON).read_text())
-        return {k: v for k, v in meta.items() if k not in PROVENANCE_KEYS}
-
-    assert comparable(directory) == comparable(reference)
-
-
 def assert_same_search(encoder, index: TokenIndex, reference: TokenIndex) -> None:
     queries = {"q1": "white matter diffusion in the newborn brain", "q2": "vitamin D and bone density"}
     assert (full_rank(encoder, index, queries, k=10, progress=False).run
@@ -174,7 +161,7 @@ def test_a_sigkilled_build_reruns_to_the_uninterrupted_index(step, left, rerun_e
     index = build_index(encoder, ids, texts, directory, chunk_docs=CHUNK_DOCS, batch_size=BATCH, progress=False)
     assert encoded == rerun_encodes, f"the rerun encoded chunks {encoded}"
     assert not unfinished.exists()
-    assert_same_index(directory, reference.directory)
+    assert_same_index(directory, reference.directory, PROVENANCE_KEYS)
     assert TokenIndex.load(directory, verify="full").verified == "full"
     assert_same_search(encoder, index, reference)
 
@@ -203,4 +190,4 @@ def test_two_processes_asking_for_one_index_build_it_once(encoder, reference, co
     for ready in tmp_path.glob("shared.ready-*"):
         ready.unlink()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["go", "shared", "shared.lock"], "no half-written folder"
-    assert_same_index(directory, reference.directory)
+    assert_same_index(directory, reference.directory, PROVENANCE_KEYS)

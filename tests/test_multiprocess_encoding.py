@@ -25,10 +25,9 @@ from hil.retrieval.corpus_encoding import KILL_RANK_AFTER_FIRST_CHUNK_ENV, check
 from hil.retrieval.encoding import eval_mode
 from hil.retrieval.index import INDEX_JSON, TokenIndex
 
-from toys import TwoHeadEncoder, make_encoder, toy_corpus
+from toys import TwoHeadEncoder, assert_same_index, make_encoder, toy_corpus
 
 N_DOCS, CHUNK_DOCS, BATCH = 40, 6, 4  # 7 chunks: ranks 0 / 1 of 2 own chunks 0, 2, 4, 6 / 1, 3, 5
-PROVENANCE_KEYS = {"created", "versions", "git_commit", "host", "encoded_on"}
 HEADS = ("a", "b")
 
 
@@ -40,20 +39,6 @@ def build(encoder, directory, **options):
 
 def index_meta(directory) -> dict:
     return json.loads((directory / INDEX_JSON).read_text())
-
-
-def assert_same_index(directory, reference) -> None:
-    """Every file byte for byte, ``index.json`` apart from provenance (time, host, how it was encoded)."""
-    names = sorted(p.name for p in directory.iterdir())
-    assert names == sorted(p.name for p in reference.iterdir())
-    for name in names:
-        if name != INDEX_JSON:
-            assert (directory / name).read_bytes() == (reference / name).read_bytes(), f"{name} differs"
-
-    def comparable(folder):
-        return {k: v for k, v in index_meta(folder).items() if k not in PROVENANCE_KEYS}
-
-    assert comparable(directory) == comparable(reference)
 
 
 def assert_documents_in_corpus_order(index: TokenIndex, encoder, texts) -> None:

@@ -9,7 +9,6 @@ byte; the byte ranges of each rank's chunks, computed from the texts.
 
 from __future__ import annotations
 
-import json
 import pickle
 import string
 
@@ -24,13 +23,11 @@ from hil.retrieval.builder import build_index
 from hil.retrieval.chunks import chunk_ranges
 from hil.retrieval.corpus_texts import OFFSETS_NAME, TEXTS_NAME, CorpusTextsFile, write_corpus_texts
 from hil.retrieval.encoding import eval_mode, sorted_document_batches
-from hil.retrieval.index import INDEX_JSON
 from hil.retrieval.token_loader import TokenizedChunk, tokenized_chunks
 
-from toys import make_encoder, toy_corpus
+from toys import assert_same_index, make_encoder, toy_corpus
 
 N_DOCS, CHUNK_DOCS, BATCH = 45, 10, 4  # 5 chunks (the last of 5 documents); rank 0 of 2 owns 0, 2, 4
-PROVENANCE_KEYS = {"created", "versions", "git_commit", "host", "encoded_on"}
 
 
 def corpus() -> tuple[list[str], list[str]]:
@@ -145,17 +142,6 @@ def text_path_index_arrays(encoder, texts) -> tuple[np.ndarray, np.ndarray, np.n
                 ids.append(per_doc[i][1])
                 lengths.append(len(per_doc[i][1]))
     return np.concatenate(vectors), np.concatenate(ids), np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-
-
-def assert_same_index(directory, reference) -> None:
-    names = sorted(p.name for p in directory.iterdir())
-    assert names == sorted(p.name for p in reference.iterdir())
-    for name in names:
-        if name != INDEX_JSON:
-            assert (directory / name).read_bytes() == (reference / name).read_bytes(), f"{name} differs"
-    meta, ref = (json.loads((d / INDEX_JSON).read_text()) for d in (directory, reference))
-    assert {k: v for k, v in meta.items() if k not in PROVENANCE_KEYS} == \
-           {k: v for k, v in ref.items() if k not in PROVENANCE_KEYS}
 
 
 def build(encoder, directory, **options):

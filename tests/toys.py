@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -60,3 +63,24 @@ def make_encoder(hf_tokenizer, cls=ColBERTEncoder, seed: int = 0):
                         num_attention_heads=2, intermediate_size=64, max_position_embeddings=128)
     model = BertModel(config, add_pooling_layer=False)
     return cls("random-bert", dim=16, query_maxlen=12, doc_maxlen=24, _loaded=(model, hf_tokenizer)).eval()
+
+
+# index.json keys that say when, where and how an index was made, not what it holds
+INDEX_PROVENANCE_KEYS = frozenset({"created", "versions", "git_commit", "host", "encoded_on"})
+
+
+def assert_same_index(directory: Path, reference: Path, ignore: frozenset[str] = INDEX_PROVENANCE_KEYS) -> None:
+    """Every file byte for byte; ``index.json`` equal but for the keys in ``ignore`` (provenance)."""
+    from hil.retrieval.index import INDEX_JSON
+
+    names = sorted(p.name for p in Path(directory).iterdir())
+    assert names == sorted(p.name for p in Path(reference).iterdir())
+    for name in names:
+        if name != INDEX_JSON:
+            assert (Path(directory) / name).read_bytes() == (Path(reference) / name).read_bytes(), f"{name} differs"
+
+    def comparable(folder: Path) -> dict:
+        meta = json.loads((Path(folder) / INDEX_JSON).read_text())
+        return {k: v for k, v in meta.items() if k not in ignore}
+
+    assert comparable(directory) == comparable(reference)
