@@ -71,3 +71,17 @@ def timed(function: Callable[[], Any]) -> tuple[Any, float]:
     tick = time.perf_counter()
     result = function()
     return result, time.perf_counter() - tick
+
+
+def write_results(output: Any, settings: dict[str, Any], argv: list[str], result: dict[str, Any]) -> None:
+    """A standalone bench script's results file: ``result`` with the settings, command, versions and machine."""
+    import os
+    import platform
+    import sys
+    from pathlib import Path
+
+    from hil.provenance import provenance, write_json_atomic
+
+    write_json_atomic(Path(output), provenance(settings, command=" ".join([Path(sys.argv[0]).name, *argv]),
+                                               machine={"cpu_count": os.cpu_count(), "platform": platform.platform()},
+                                               results=result))

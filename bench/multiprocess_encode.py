@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -145,13 +144,11 @@ def main(argv: list[str]) -> int:
     cfg = {k: v for k, v in vars(args).items() if k != "name"}
     cfg["processes"] = sorted({int(n) for n in args.processes.split(",")})
     name = args.name or f"multiprocess-{args.dataset}-{Path(args.model).name}"
-    from hil.provenance import provenance, write_json_atomic
+    from measure import write_results
 
     result = run(cfg)
     output = HERE / "results" / f"{name}.json"
-    write_json_atomic(output, provenance(cfg, command=" ".join([Path(sys.argv[0]).name, *argv]),
-                                         machine={"cpu_count": os.cpu_count(), "platform": platform.platform()},
-                                         results=result))
+    write_results(output, cfg, argv, result)
     print(table(result))
     print(f"\nwrote {output}")
     return 0

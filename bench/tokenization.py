@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import tempfile
 import threading
@@ -339,13 +338,11 @@ def main(argv: list[str]) -> int:
     os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy  # before torch is imported (run() imports it)
     cfg = config(args)
     name = args.name or f"tokenization-{args.passages}"
-    from hil.provenance import provenance, write_json_atomic
+    from measure import write_results
 
     result = run(cfg)
     output = Path(args.out) if args.out else HERE / "results" / f"{name}.json"
-    write_json_atomic(output, provenance(cfg, command=" ".join([Path(sys.argv[0]).name, *argv]),
-                                         machine={"cpu_count": os.cpu_count(), "platform": platform.platform()},
-                                         results=result))
+    write_results(output, cfg, argv, result)
     print(table(result))
     print(f"\nwrote {output}")
     return 0
