@@ -12,9 +12,11 @@ computation at the token embeddings instead:
 
 Step 3 runs from a hook on the returned loss (as PyLate's ``CachedContrastive`` and sentence-transformers'
 ``CachedMultipleNegativesRankingLoss`` do), so Lightning's ``loss.backward()``, loss scaling and gradient
-accumulation drive it unchanged (the hook multiplies by the gradient reaching the loss). Autocast is re-entered as
-it was in step 1. The parameter gradients equal those of the whole batch at once up to floating-point reordering
-(``tests/test_gradcache.py``); the price is a second forward pass (``bench/training_throughput.py``).
+accumulation drive it unchanged (the hook multiplies by the gradient reaching the loss). The replayed forward runs
+under the autocast of step 1, its backward outside autocast (as Lightning's). The parameter gradients equal those of
+the whole batch at once up to floating-point reordering (``tests/test_gradcache.py``; under bf16 autocast, up to the
+rounding that any other chunking of the batch shows too); the price is a second forward pass
+(``bench/training_throughput.py``).
 
 Limits: one process (under DDP each chunk's backward would be a separate gradient reduction; refused), and every
 gradient of the objective must flow through the token embeddings (true of every term in ``hil.modeling``).
@@ -76,6 +78,11 @@ class Autocast:
     def context(self):
         return torch.autocast(self.device_type, dtype=self.dtype) if self.enabled else nullcontext()
 
+    def suspended(self):
+        """Autocast off, as around Lightning's ``loss.backward()``: the autograd engine runs a backward under the
+        autocast state of its caller, which would recast fp32 ops' backward matmuls (CPU's math attention) to bf16."""
+        return torch.autocast(self.device_type, enabled=False) if self.enabled else nullcontext()
+
 
 def select_rows(batch: TokenizedBatch, rows: slice) -> TokenizedBatch:
     return TokenizedBatch(batch.input_ids[rows], batch.attention_mask[rows], batch.scoring_mask[rows])
@@ -136,7 +143,8 @@ def cached_objective(encoder: Encoder, queries: TokenizedBatch, docs: TokenizedB
     with torch.enable_grad():
         loss, parts = objective(query_leaves, doc_leaves)                                   # step 2
     leaves = [*query_leaves.heads.values(), *doc_leaves.heads.values()]
-    gradients = torch.autograd.grad(loss, leaves, allow_unused=True)
+    with autocast.suspended():  # the objective's backward outside autocast too, as the whole batch's
+        gradients = torch.autograd.grad(loss, leaves, allow_unused=True)
     gradients = [torch.zeros_like(leaf) if grad is None else grad for leaf, grad in zip(leaves, gradients)]
     n_query_heads = len(query_leaves.heads)
     query_side.gradients = dict(zip(query_leaves.heads, gradients[:n_query_heads]))
@@ -150,7 +158,8 @@ def cached_objective(encoder: Encoder, queries: TokenizedBatch, docs: TokenizedB
                         encoded = encoder.encode(select_rows(side.tokens, rows), side.is_query)
                     surrogate = sum((encoded.heads[name] * gradient[rows].to(encoded.heads[name].dtype)).sum()
                                     for name, gradient in side.gradients.items())
-                    (surrogate * grad_output.to(surrogate.dtype)).backward()
+                    with autocast.suspended():  # the forward under autocast, its backward outside, as the batch's
+                        (surrogate * grad_output.to(surrogate.dtype)).backward()
 
     value = loss.detach().requires_grad_()
     value.register_hook(replay)
