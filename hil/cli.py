@@ -18,7 +18,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import json  # noqa: E402
 import zipfile  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import NoReturn  # noqa: E402
+from typing import Literal, NoReturn  # noqa: E402
 
 import torch  # noqa: E402
 from jsonargparse import Namespace  # noqa: E402
@@ -38,6 +38,8 @@ __all__ = ["DEBUG_ENV", "HILCLI", "check_checkpoint", "evaluate_main", "one_line
 
 # Always a user-facing message, wherever raised (besides UserError and its subclasses).
 USER_ERRORS = (MarkerTokenError, NonFiniteLossError, MisconfigurationException)
+# torch.set_float32_matmul_precision's values (``float32_matmul_precision`` in train.py's config).
+MatmulPrecision = Literal["highest", "high", "medium"]
 # ``ckpt_path`` values Lightning resolves itself instead of reading a file.
 LIGHTNING_CHECKPOINT_NAMES = ("last", "best", "hpc", "registry")
 # What every checkpoint ``Trainer.fit`` writes holds; a bare state dict or an export lacks them.
@@ -96,7 +98,9 @@ class HILCLI(LightningCLI):
     """LightningCLI over ``RetrieverModule`` and ``TriplesDataModule``, with every run's callbacks as settings:
     ``step_reseed`` (per-batch reseeding for exact resume), ``nonfinite_guard`` (``policy: raise | skip``) and
     ``progress_lines`` (``every_n_seconds``, ``when: auto | always | never``: a progress line every 30 s when stdout
-    is not a terminal, in place of the progress bar, which a file cannot show)."""
+    is not a terminal, in place of the progress bar, which a file cannot show); and ``float32_matmul_precision``
+    (``highest | high | medium``, torch's setting of that name, applied before anything is built; null leaves
+    torch's default, ``highest``: fp32 matrix products in full fp32. ``high`` lets a GPU use TF32 for them)."""
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument("--export_dir", type=str, default=None,
@@ -104,6 +108,8 @@ class HILCLI(LightningCLI):
         parser.add_lightning_class_args(StepReseed, "step_reseed")
         parser.add_lightning_class_args(NonFiniteGuard, "nonfinite_guard")
         parser.add_lightning_class_args(ProgressLines, "progress_lines")
+        parser.add_argument("--float32_matmul_precision", type=MatmulPrecision | None, default=None,
+                            help="torch.set_float32_matmul_precision before training (null: torch's default)")
 
     def parse_arguments(self, parser: LightningArgumentParser, args) -> None:
         super().parse_arguments(parser, args)
@@ -114,6 +120,8 @@ class HILCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         config = self.config.get(self.subcommand) if self.subcommand else self.config
+        if config.get("float32_matmul_precision"):
+            torch.set_float32_matmul_precision(config["float32_matmul_precision"])
         # Off a terminal the progress lines replace the bar (whose redraws a file keeps as one endless line), unless
         # the config asks for the bar itself.
         lines = config.get("progress_lines")

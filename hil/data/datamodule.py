@@ -1,10 +1,9 @@
-"""Training data as a LightningDataModule: triples or n-way examples in, batches of strings out.
+"""Training data as a LightningDataModule: triples or n-way examples in, batches out -- of strings, or tokenized.
 
-Batches stay as strings; the LightningModule tokenizes them with its own ColBERTTokenizer, so the data layer never
-depends on a model and a checkpoint always tokenizes the way it was trained. Triples files are read from disk by
-index (:mod:`hil.data.triples_file`), so their size is bounded by the disk, not by memory; only BM25-mined triples
-(small) and ``.gz`` files are held as a list. N-way examples (ColBERTv2's files, a TREC run with teacher scores,
-PyLate's layout) are read by byte offset too (:func:`hil.data.example_sources.open_example_source`).
+Triples files are read from disk by index (:mod:`hil.data.triples_file`), so their size is bounded by the disk, not
+by memory; only BM25-mined triples (small) and ``.gz`` files are held as a list. N-way examples (ColBERTv2's files, a
+TREC run with teacher scores, PyLate's layout) are read by byte offset too
+(:func:`hil.data.example_sources.open_example_source`).
 
 A batch of B examples of N documents each (:func:`collate_examples`) is a dict of strings:
     queries    (B)          the queries
@@ -15,13 +14,21 @@ A batch of B examples of N documents each (:func:`collate_examples`) is a dict o
 For triples (N = 2, no scores) that is exactly the ``{queries, positives, negatives}`` of ColBERT v1 training
 (:func:`collate_triples`), and ``positives + negatives`` is the document layout of
 ``hil.modeling.batch.RankingBatch`` (document j of query i at j B + i).
+
+Training tokenizes in the loader: ``RetrieverModule`` hands the data module its encoder's tokenizer at setup
+(:meth:`TriplesDataModule.tokenize_with`; the data layer never picks a tokenizer itself, so a checkpoint always
+tokenizes the way it was trained), and each batch of strings then also carries ``tokenized``
+(:class:`TokenizedCollate`): ``{"queries": (B, Lq), "documents": (N B, Ld)}`` as
+:class:`~hil.data.tokenization.TokenizedBatch`, the documents ``positives + negatives`` -- the very tensors the
+module would build from the strings. With ``num_workers`` > 0 the loader's workers tokenize ahead of the training
+step; on a GPU the batches are pinned and copied to the device asynchronously.
 """
 
 from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import pytorch_lightning as pl
 import torch
@@ -31,6 +38,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from hil.data.distinct import StreamedTexts, iter_distinct
 from hil.data.errors import UserError
 from hil.data.examples import ExampleSource, ScoredExample
+from hil.data.tokenization import ColBERTTokenizer
 from hil.data.triples import Triple, iter_triples, mine_bm25_triples, read_triples
 from hil.data.triples_file import IdTriplesFile, TriplesFile
 from hil.paths import resolve_data_file
@@ -92,6 +100,21 @@ def collate_examples(items: list[Triple | ScoredExample]) -> dict[str, list[str]
     if scores[0] is not None:
         batch["teacher_scores"] = torch.tensor(scores, dtype=torch.float32)  # (B, N)
     return batch
+
+
+class TokenizedCollate:
+    """:func:`collate_examples`, plus ``"tokenized": {"queries": TokenizedBatch (B, Lq), "documents": TokenizedBatch
+    (N B, Ld)}`` of the same texts, the documents ``positives + negatives`` tokenized together (padded to the longest
+    of all N B, as training always did). Runs in the loader's workers (it pickles with its tokenizer)."""
+
+    def __init__(self, tokenizer: ColBERTTokenizer):
+        self.tokenizer = tokenizer
+
+    def __call__(self, items: list[Triple | ScoredExample]) -> dict[str, Any]:
+        batch: dict[str, Any] = collate_examples(items)
+        batch["tokenized"] = {"queries": self.tokenizer.encode_queries(batch["queries"]),
+                              "documents": self.tokenizer.encode_documents(batch["positives"] + batch["negatives"])}
+        return batch
 
 
 def distributed_world() -> tuple[int, int]:
@@ -274,6 +297,8 @@ class TriplesDataModule(pl.LightningDataModule):
             on every line); required with ``run``. Triples are N = 2.
         max_triples: keep only the first N triples or examples (smoke runs).
         batch_size: triples (examples) per optimizer step on each device.
+        num_workers: loader processes reading and tokenizing batches ahead of the training step (0: in the
+            training process, between steps).
         seed: fixes the shuffling order of every epoch (and ``run_selection: sample``'s draw).
         idf_source, idf_max_docs: the collection an encoder that weights query terms (ColBERT-HIL) takes its IDF
             from at the start of training, when it has none yet (a model from ``init_from`` or a resumed
@@ -318,6 +343,12 @@ class TriplesDataModule(pl.LightningDataModule):
         self.save_hyperparameters()
         self.source_kind = source
         self.train_dataset: TrainingTriples | None = None
+        self.tokenizer: ColBERTTokenizer | None = None  # set by tokenize_with: batches are then tokenized
+
+    def tokenize_with(self, tokenizer: ColBERTTokenizer | None) -> None:
+        """Tokenize every batch with ``tokenizer`` in the loader (:class:`TokenizedCollate`); None: batches of
+        strings. ``RetrieverModule`` calls it with its encoder's tokenizer when training starts."""
+        self.tokenizer = tokenizer
 
     def idf_documents(self) -> tuple[Iterable[str], str] | None:
         """The documents of ``idf_source`` (streamed when they come from triples) and their label (None: no IDF
@@ -389,18 +420,21 @@ class TriplesDataModule(pl.LightningDataModule):
             self.train_dataset = self.load_dataset()
 
     def train_dataloader(self) -> StatefulDataLoader:
-        """Batches of strings (:func:`collate_examples`); the loader's position in the epoch is saved in checkpoints
-        (the sampler's state, see :class:`EpochShuffleSampler`), so a resumed run continues with the next unseen
-        batch."""
+        """Batches of strings (:func:`collate_examples`), tokenized too after :meth:`tokenize_with`
+        (:class:`TokenizedCollate`, in the workers when ``num_workers`` > 0, pinned when training on a GPU); the
+        loader's position in the epoch is saved in checkpoints (the sampler's state, see
+        :class:`EpochShuffleSampler`), so a resumed run continues with the next unseen batch."""
         assert self.train_dataset is not None, "call setup('fit') first"
         # Shard by the trainer's ranks (DDP); without a trainer, by the process group if there is one.
         world = (self.trainer.distributed_sampler_kwargs or {}) if self.trainer is not None else {}
         sampler = EpochShuffleSampler(len(self.train_dataset), self.hparams.seed, self.hparams.shuffle,
                                       num_replicas=world.get("num_replicas"), rank=world.get("rank"))
+        collate = collate_examples if self.tokenizer is None else TokenizedCollate(self.tokenizer)
+        on_gpu = self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
         # A generator of its own keeps the loader from drawing on the global torch RNG.
         with warnings.catch_warnings():  # torchdata 0.11 calls a torch telemetry hook torch 2.13 deprecates
             warnings.filterwarnings("ignore", message=".*set_vital.*")
             return StatefulDataLoader(self.train_dataset, batch_size=self.hparams.batch_size, sampler=sampler,
-                                      collate_fn=collate_examples, num_workers=self.hparams.num_workers,
-                                      persistent_workers=self.hparams.num_workers > 0,
+                                      collate_fn=collate, num_workers=self.hparams.num_workers,
+                                      persistent_workers=self.hparams.num_workers > 0, pin_memory=on_gpu,
                                       generator=torch.Generator().manual_seed(0))

@@ -16,6 +16,7 @@ Choices (ColBERT v1, Khattab & Zaharia 2020, and the issue):
 
 from __future__ import annotations
 
+import dataclasses
 import string
 from dataclasses import dataclass
 from typing import Sequence
@@ -33,12 +34,28 @@ class TokenizedBatch:
     input_ids: Tensor       # (B, L) long
     attention_mask: Tensor  # (B, L) long, what the encoder attends to
     scoring_mask: Tensor    # (B, L) bool, which output vectors take part in late interaction
+    # Whether any attention_mask entry is 0, known on the host when the batch was built (None: not known). The
+    # encoder hands it to the backbone, which would otherwise read the mask back from the device to find out.
+    has_padding: bool | None = None
 
-    def to(self, device: torch.device | str) -> "TokenizedBatch":
-        return TokenizedBatch(self.input_ids.to(device), self.attention_mask.to(device), self.scoring_mask.to(device))
+    def to(self, device: torch.device | str, non_blocking: bool | None = None) -> "TokenizedBatch":
+        """The batch on ``device``. ``non_blocking`` None: asynchronous exactly when the copy goes from pinned host
+        memory to a GPU (the only direction in which an asynchronous copy is always safe: the host memory is
+        kept until the copy is done, and the device reads it in stream order)."""
+        if non_blocking is None:
+            non_blocking = torch.device(device).type == "cuda" and self.input_ids.is_pinned()
+        return dataclasses.replace(self, **{name: getattr(self, name).to(device, non_blocking=non_blocking)
+                                            for name in TENSOR_FIELDS})
+
+    def pin_memory(self) -> "TokenizedBatch":
+        """A copy in page-locked host memory (what a DataLoader with ``pin_memory=True`` calls)."""
+        return dataclasses.replace(self, **{name: getattr(self, name).pin_memory() for name in TENSOR_FIELDS})
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
+
+
+TENSOR_FIELDS = ("input_ids", "attention_mask", "scoring_mask")
 
 
 class MarkerTokenError(ValueError):
@@ -105,7 +122,8 @@ class ColBERTTokenizer:
         for i, row in enumerate(rows):
             ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
             attention[i, : len(row)] = 1
-        return TokenizedBatch(ids, attention, torch.ones_like(ids, dtype=torch.bool))
+        padded = not self.attend_to_mask_tokens and any(len(row) < self.query_maxlen for row in rows)
+        return TokenizedBatch(ids, attention, torch.ones_like(ids, dtype=torch.bool), has_padding=padded)
 
     def encode_documents(self, texts: list[str]) -> TokenizedBatch:
         return self.document_batch(self.document_rows(texts))
@@ -127,7 +145,7 @@ class ColBERTTokenizer:
         scoring = attention.bool()
         if self.mask_punctuation and len(self.punctuation_ids):
             scoring &= ~torch.isin(ids, self.punctuation_ids)
-        return TokenizedBatch(ids, attention, scoring)
+        return TokenizedBatch(ids, attention, scoring, has_padding=any(len(row) < width for row in rows))
 
     def settings(self) -> dict:
         return {"query_maxlen": self.query_maxlen, "doc_maxlen": self.doc_maxlen,

@@ -13,15 +13,16 @@ import math
 import os
 import sys
 import time
-from typing import Any, Callable, Literal, Mapping, TextIO
+from typing import Any, Callable, Iterable, Literal, Mapping, TextIO
 
 import pytorch_lightning as pl
 import torch
+import torch.distributed as dist
 from pytorch_lightning.utilities import rank_zero_warn
 from torch import Tensor
 
-from hil.modeling.distributed import rank
-from hil.modeling.module import RetrieverModule
+from hil.modeling.distributed import is_distributed, rank
+from hil.modeling.module import RetrieverModule, logs_this_step
 
 NonFinitePolicy = Literal["raise", "skip"]
 
@@ -69,70 +70,200 @@ class StepReseed(pl.Callback):
         self.base_seed = state_dict.get("base_seed", self.base_seed)
 
 
+# What the first non-finite step since the last check was (the ``kind`` recorded on the device).
+LOSS, GRADIENT, OTHER_RANK = 1, 2, 3
+
+
+def nonfinite_gradients(parameters: Iterable[Tensor]) -> Tensor | None:
+    """1.0 if any gradient holds a NaN or an infinity, else 0.0 (float32, on the first gradient's device), computed
+    on the device; None without gradients. One multi-tensor kernel per device and dtype: GradScaler's own check,
+    run with a scale of 1 (it multiplies each gradient by 1.0, which leaves every value as it was)."""
+    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for param in parameters:
+        grad = param.grad
+        if grad is not None:
+            grad = grad.coalesce().values() if grad.is_sparse else grad
+            groups.setdefault((grad.device, grad.dtype), []).append(grad)
+    flags = []
+    for (device, _), grads in groups.items():
+        found = torch.zeros((), dtype=torch.float32, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, torch.ones((), device=device))
+        flags.append(found)
+    if not flags:
+        return None
+    return flags[0] if len(flags) == 1 else torch.stack([f.to(flags[0].device) for f in flags]).amax()
+
+
+class NonFiniteRecord:
+    """On the device: the first non-finite step since the last check (its position in the guard's list of batches,
+    its kind, the loss and its parts then) and the steps dropped since. Updated with ``torch.where``, never read
+    back but by :meth:`read`."""
+
+    def __init__(self, values: Tensor):
+        device = values.device
+        self.index = torch.full((), -1, dtype=torch.long, device=device)
+        self.kind = torch.zeros((), dtype=torch.long, device=device)
+        self.values = torch.full_like(values, float("nan"), dtype=torch.float64)
+        self.dropped = torch.zeros((), dtype=torch.float64, device=device)
+
+    def note(self, bad: Tensor, kind: Tensor | int, index: int, values: Tensor) -> None:
+        first = (bad > 0) & (self.index < 0)
+        self.index = torch.where(first, index, self.index)
+        self.kind = torch.where(first, kind, self.kind)
+        if values.shape == self.values.shape:  # the parts are the same every step (else the record keeps its own)
+            self.values = torch.where(first, values.to(self.values.device, torch.float64), self.values)
+
+    def read(self) -> tuple[int, int, int, list[float]]:
+        """(index or -1, kind, steps dropped, [loss, *parts]) -- one copy to the host -- and start afresh."""
+        summary = torch.cat([torch.stack([self.index.double(), self.kind.double(), self.dropped]),
+                             self.values]).cpu().tolist()
+        self.index = torch.full_like(self.index, -1)
+        self.dropped = torch.zeros_like(self.dropped)
+        return int(summary[0]), int(summary[1]), int(summary[2]), summary[3:]
+
+
 class NonFiniteGuard(pl.Callback):
-    """What a non-finite loss (or, outside fp16 loss scaling, a non-finite gradient of a finite loss) does.
+    """What a non-finite loss (or, outside fp16 loss scaling, a non-finite gradient of a finite loss) does. Decided
+    on the device every step; read back at checks only, so a training step makes no host sync for it.
 
-    ``policy="raise"`` stops training with the global step and the loss parts (``NonFiniteLossError``; ``train.py``
-    prints it as one line and exits 1). ``"skip"`` drops that step -- weights and optimizer state stay as they
-    were (the gradients are removed, so the optimizer skips every parameter: no update, no moment decay, no step
-    count) -- warns, and counts it in ``train/nonfinite_skipped`` (saved in checkpoints). The step still counts
-    toward ``max_steps`` and the LR schedule.
+    Every step, on the device: whether the loss is finite (under DDP all-reduced, MAX, so every rank holds the
+    joint answer and acts alike), and outside fp16 loss scaling whether every gradient is (:func:`nonfinite_gradients`,
+    after DDP's all-reduce, so the same on every rank). The first non-finite step since the last check is recorded
+    where it happened (:class:`NonFiniteRecord`: its global step, epoch and batch, the loss and its parts).
 
-    Under DDP the loss decision is taken jointly (``strategy.reduce_boolean_decision``): if any rank is non-finite,
-    every rank raises or skips, so no rank waits alone in the gradient all-reduce. The gradient check needs no
-    vote: it runs after the all-reduce, on gradients that are the same on every rank. Under fp16 loss scaling
-    (``16-mixed``) the GradScaler already skips steps with non-finite gradients and lowers its scale.
+    Checks read that record: at every logging step (``log_every_n_steps``), at the step training stops at, before
+    any checkpoint is written (``state_dict``) and at the end of training.
+
+    ``policy="raise"``: the check raises ``NonFiniteLossError`` naming the *first* non-finite step (global step,
+    epoch, batch) and its loss parts as recorded then; ``train.py`` prints it as one line and exits 1. Training may
+    have run on past that step up to the check, but no checkpoint or export ever holds such weights: a checkpoint is
+    checked before it is written, and the export follows a finished fit. (With a fused optimizer the non-finite
+    step's update is also dropped on the device, see below.)
+
+    ``policy="skip"``: such a step is dropped -- weights and optimizer state stay as they were (no update, no moment
+    decay, no step count) -- and the next check warns (the first dropped step, the count) and logs
+    ``train/nonfinite_skipped`` (saved in checkpoints). The step still counts toward ``max_steps`` and the LR
+    schedule. With a fused optimizer (``fused: true``; AdamW, Adam, SGD) the drop is the optimizer's own
+    ``found_inf`` (as under GradScaler), on the device: no host sync. Any other optimizer only skips parameters
+    without a gradient, so the gradients are removed on the host: ``skip`` then reads one flag back every step.
+
+    Under fp16 loss scaling (``16-mixed``) the GradScaler skips steps with non-finite gradients itself and lowers its
+    scale; a non-finite loss makes every gradient NaN before the scaler looks (``on_after_backward``), so the scaler
+    drops that step too, and the guard raises or counts it. Give the optimizer ``fused: true`` there: with any other,
+    torch's GradScaler reads its own flag back every step.
     """
 
     def __init__(self, policy: NonFinitePolicy = "raise"):
         if policy not in ("raise", "skip"):
             raise ValueError(f"nonfinite_guard.policy must be 'raise' or 'skip' (got {policy!r})")
         self.policy = policy
-        self.skipped = 0             # steps skipped so far, checkpointed
-        self._drop_step = False      # set for the current step, consumed in on_before_optimizer_step
-        self._batch_idx = -1         # the batch being trained, for messages
+        self.skipped = 0  # steps skipped so far (up to the last check), checkpointed
+        self._positions: list[tuple[int, int, int]] = []  # (global step, epoch, batch) of each batch since the check
+        self._record: NonFiniteRecord | None = None
+        self._part_names: list[str] = []
+        self._values: Tensor | None = None     # [loss, *parts] of the last batch
+        self._loss_bad: Tensor | None = None   # the joint flag of this step's batches so far
+        self._flagged: torch.optim.Optimizer | None = None  # the optimizer given ``found_inf`` this step
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._positions, self._record, self._loss_bad = [], None, None
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        self._batch_idx = batch_idx
+        self._positions.append((trainer.global_step, trainer.current_epoch, batch_idx))
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        local = not bool(torch.isfinite(loss.detach()).all())
-        if not trainer.strategy.reduce_boolean_decision(local, all=False):
-            return
-        what = f"non-finite loss {float(loss.detach().float())}" if local else "non-finite loss on another rank"
+        loss = loss.detach()
+        local = (~torch.isfinite(loss)).any().float()
+        joint = local.clone()
+        if is_distributed():  # the joint vote, on the device: every rank then raises or skips alike
+            dist.all_reduce(joint, op=dist.ReduceOp.MAX)
+        self._loss_bad = joint if self._loss_bad is None else torch.maximum(self._loss_bad, joint)
         parts = pl_module.loss_parts if isinstance(pl_module, RetrieverModule) else {}
-        detail = ", ".join(f"{k}={float(v):.4g}" for k, v in parts.items())
-        message = (f"{what} at global step {trainer.global_step} (epoch {trainer.current_epoch}, batch "
-                   f"{self._batch_idx}); loss parts: {detail}")
-        self._handle(pl_module, message, "batch", "set nonfinite_guard.policy=skip to skip such batches")
+        self._part_names = list(parts)
+        self._values = torch.stack([loss.float().reshape(()),
+                                    *(v.detach().to(loss.device, torch.float32).reshape(()) for v in parts.values())])
+        if self._record is None:
+            self._record = NonFiniteRecord(self._values)
+        self._record.note(joint, torch.where(local > 0, LOSS, OTHER_RANK), len(self._positions) - 1, self._values)
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._loss_bad is not None and _scaler(trainer) is not None:  # before GradScaler's check (unscale_)
+            grads = [p.grad for p in pl_module.parameters() if p.grad is not None and not p.grad.is_sparse]
+            if grads:
+                torch._foreach_mul_(grads, torch.where(self._loss_bad > 0, float("nan"), 1.0))
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                  optimizer: torch.optim.Optimizer) -> None:
-        if not self._drop_step and getattr(trainer.precision_plugin, "scaler", None) is None:
-            grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
-            if grads and not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()):
-                message = f"non-finite gradient at global step {trainer.global_step} (finite loss)"
-                self._handle(pl_module, message, "step", "set nonfinite_guard.policy=skip to skip such steps")
-        if self._drop_step:
-            for group in optimizer.param_groups:  # optimizers leave parameters without a gradient alone
-                for param in group["params"]:
-                    param.grad = None
-            self._drop_step = False
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's torch optimizer
+        loss_bad, self._loss_bad = self._loss_bad, None
+        if _scaler(trainer) is not None:  # the scaler drops non-finite gradients (and, poisoned, non-finite losses)
+            found = loss_bad
+        else:
+            grads_bad = nonfinite_gradients(pl_module.parameters())
+            if grads_bad is not None and self._record is not None and self._values is not None:
+                self._record.note(grads_bad, GRADIENT, len(self._positions) - 1, self._values)
+            found = grads_bad if loss_bad is None else loss_bad if grads_bad is None else \
+                torch.maximum(loss_bad, grads_bad.to(loss_bad.device))
+            if found is not None and getattr(optimizer, "_step_supports_amp_scaling", False):
+                optimizer.found_inf = found  # a fused optimizer skips the step on the device
+                self._flagged = optimizer
+            elif found is not None and self.policy == "skip" and bool(found):  # the one host read (see above)
+                for group in optimizer.param_groups:  # optimizers leave parameters without a gradient alone
+                    for param in group["params"]:
+                        param.grad = None
+        if found is not None and self._record is not None:
+            self._record.dropped = self._record.dropped + found.to(self._record.dropped.device)
 
-    def _handle(self, pl_module: pl.LightningModule, message: str, what: str, hint: str) -> None:
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self._flagged is not None:
+            del self._flagged.found_inf
+            self._flagged = None
+        stopping = trainer.should_stop or 0 < trainer.max_steps <= trainer.global_step
+        if logs_this_step(trainer) or stopping:
+            self.check(pl_module)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.check(None)
+
+    def check(self, pl_module: pl.LightningModule | None) -> None:
+        """Read the record (one copy from the device): raise, or warn and count (and log, given ``pl_module``)."""
+        positions, self._positions = self._positions, []
+        if self._record is None:
+            return
+        index, kind, dropped, values = self._record.read()
+        if index >= 0:
+            step, epoch, batch = positions[index]
+            self.report(kind, step, epoch, batch, values, self.skipped + dropped)
+        if dropped:
+            self.skipped += dropped
+            if pl_module is not None:
+                pl_module.log("train/nonfinite_skipped", torch.tensor(float(self.skipped)), on_step=True,
+                              batch_size=1)
+
+    def report(self, kind: int, step: int, epoch: int, batch: int, values: list[float], skipped: int) -> None:
+        if kind == GRADIENT:
+            message, what, unit = f"non-finite gradient at global step {step} (finite loss)", "step", "steps"
+        else:
+            loss = f"non-finite loss {values[0]}" if kind == LOSS else "non-finite loss on another rank"
+            detail = ", ".join(f"{name}={value:.4g}" for name, value in zip(self._part_names, values[1:]))
+            message = f"{loss} at global step {step} (epoch {epoch}, batch {batch}); loss parts: {detail}"
+            what, unit = "batch", "batches"
         if self.policy == "raise":
-            raise NonFiniteLossError(f"{message}; {hint}")
-        self.skipped += 1
-        self._drop_step = True
-        rank_zero_warn(f"skipping {what}: {message} (skipped so far: {self.skipped})")
-        pl_module.log("train/nonfinite_skipped", float(self.skipped), on_step=True, batch_size=1)
+            raise NonFiniteLossError(f"{message}; set nonfinite_guard.policy=skip to skip such {unit}")
+        rank_zero_warn(f"skipping {what}: {message} (skipped so far: {skipped})")
 
     def state_dict(self) -> dict[str, Any]:
+        self.check(None)  # a checkpoint never holds weights trained past an unreported non-finite step
         return {"skipped": self.skipped}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.skipped = int(state_dict.get("skipped", 0))
+
+
+def _scaler(trainer: pl.Trainer) -> Any:
+    return getattr(trainer.precision_plugin, "scaler", None)
 
 
 ProgressWhen = Literal["auto", "always", "never"]
@@ -168,7 +299,7 @@ def _triples(batch: Any) -> int:
 
 
 class ProgressLines(pl.Callback):
-    """A line every ``every_n_seconds`` (and after the first and the last step) saying where training is::
+    """A line at most every ``every_n_seconds`` (and after the first and the last step) saying where training is::
 
         step 24/64 (38%) | loss 0.6412 | 37.5 triples/s | elapsed 0:00:20 | ETA 0:00:34
 
@@ -176,6 +307,8 @@ class ProgressLines(pl.Callback):
     ``loss`` is the step's logged ``train/loss``; triples/s counts every process's triples since training started
     (queries/s for n-way batches, a query with its N documents);
     ETA extrapolates that pace to ``max_steps`` (or to the planned number of steps when only epochs are set).
+    Lines are written at logging steps (``log_every_n_steps``; the first line at the first of them), where reading
+    the loss back from the device costs no step its overlap with the device.
 
     Args:
         every_n_seconds: the least time between two lines.
@@ -225,7 +358,8 @@ class ProgressLines(pl.Callback):
             return
         self._seen_step = trainer.global_step
         now = self.clock()
-        if self._printed_step is None or now - self._last_line >= self.every_n_seconds:
+        due = self._printed_step is None or now - self._last_line >= self.every_n_seconds
+        if due and (logs_this_step(trainer) or not trainer.log_every_n_steps):
             self._print(trainer, outputs, now)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

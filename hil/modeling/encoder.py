@@ -23,6 +23,7 @@ from transformers.utils import logging as hf_logging
 from hil.data.errors import UserError
 from hil.data.idf import IDFTable
 from hil.data.tokenization import ColBERTTokenizer, TokenizedBatch
+from hil.modeling.backbone_mask import backbone_attention_mask
 from hil.modeling.contracts import EncodedBatch, Encoder
 from hil.modeling.encoder_settings import (HEAD_INITS, ColBERTSettings, EncoderSettings, HeadInit,
                                            upgrade_settings)
@@ -224,7 +225,9 @@ class ColBERTEncoder(MultiVectorEncoder):
     projection_bias = config_field("projection_bias")
 
     def hidden_states(self, batch: TokenizedBatch) -> Tensor:
-        return self.backbone(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
+        # the mask built on the host where the batch's padding is known (no read-back from the device)
+        mask = backbone_attention_mask(self.backbone, batch)
+        return self.backbone(input_ids=batch.input_ids, attention_mask=mask).last_hidden_state
 
     def embed(self, batch: TokenizedBatch, is_query: bool) -> dict[str, Tensor]:
         return {"colbert": F.normalize(self.linear(self.hidden_states(batch)), p=2, dim=-1)}

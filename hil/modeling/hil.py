@@ -60,6 +60,7 @@ from torch import Tensor, nn
 
 from hil.data.idf import AUTHORS_FORMULA, IDFTable
 from hil.data.tokenization import TokenizedBatch
+from hil.modeling.backbone_mask import backbone_attention_mask
 from hil.modeling.contracts import EncodedBatch
 from hil.modeling.distributed import pooled_moments
 from hil.modeling.encoder import LoadedBackbone, MultiVectorEncoder, config_field
@@ -95,15 +96,14 @@ class RunningMoments(nn.Module):
 
     @torch.no_grad()
     def update(self, batch_mean: Tensor, batch_std: Tensor) -> None:
-        if not (torch.isfinite(batch_mean) and torch.isfinite(batch_std)):
-            return
-        if int(self.updates) == 0:
-            self.mean.copy_(batch_mean)
-            self.std.copy_(batch_std)
-        else:
-            self.mean.lerp_(batch_mean.to(self.mean.dtype), self.momentum)
-            self.std.lerp_(batch_std.to(self.std.dtype), self.momentum)
-        self.updates.add_(1)
+        # Decided on the device (torch.where), never read back to the host: a training step makes no host sync.
+        batch_mean, batch_std = batch_mean.to(self.mean.dtype), batch_std.to(self.std.dtype)
+        finite = torch.isfinite(batch_mean) & torch.isfinite(batch_std)
+        first = self.updates == 0
+        for running, value in ((self.mean, batch_mean), (self.std, batch_std)):
+            blended = torch.where(first, value, torch.lerp(running, value, self.momentum))
+            running.copy_(torch.where(finite, blended, running))
+        self.updates.add_(finite.to(self.updates.dtype))
 
     def extra_repr(self) -> str:
         return f"momentum={self.momentum}"
@@ -194,7 +194,8 @@ class HILEncoder(MultiVectorEncoder):
         wants_embedding_output = self.config.lexical_input == "embedding_output"
         # output_hidden_states only when needed: a stand-in backbone (ONNX Runtime) returns the last state alone
         extra = {"output_hidden_states": True} if wants_embedding_output else {}
-        outputs = self.backbone(input_ids=batch.input_ids, attention_mask=batch.attention_mask, **extra)
+        outputs = self.backbone(input_ids=batch.input_ids, attention_mask=backbone_attention_mask(self.backbone, batch),
+                                **extra)
         if wants_embedding_output:
             lexical = outputs.hidden_states[0]  # (B, L, E) the embedding layer's output: word + position + type, LN
         else:

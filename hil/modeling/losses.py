@@ -138,7 +138,8 @@ class InBatchCE(Term):
         own = total[rows[:, None], offset + torch.arange(n, device=device)[None, :] * b + rows[:, None]]  # (B, N)
         candidates = columns - (n - 1 if excluded is not None else 0)
         parts = {"loss_late": value, **{f"loss_late_{head}": v for head, v in per_head.items()},
-                 **ranking_diagnostics(own), "in_batch_candidates": torch.tensor(float(candidates))}
+                 **ranking_diagnostics(own),  # filled on the device: a host tensor would be copied there to be logged
+                 "in_batch_candidates": torch.full((), float(candidates), device=device)}
         return LossOutput(value, _detached(parts))
 
 

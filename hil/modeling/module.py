@@ -14,12 +14,18 @@ loss or a regularizer each: ``InBatchCE`` beside a distillation loss, ``HILIsotr
 
 One training step (``batch.py``, ``losses.py``, ``terms.py``, ``hil/isotropy/regularizers.py``):
     batch of strings {queries (B), positives (B), negatives ((N-1) B), [teacher_scores (B, N)]}  (hil.data.datamodule)
-    -> encoder.encode_queries / encode_documents       queries (B, Lq), docs (N B, Ld) = [positives; negatives]
+          with its tokens {queries (B, Lq), documents (N B, Ld)}, tokenized in the loader with the encoder's
+          tokenizer (a batch without them is tokenized here)
+    -> encoder.encode                                  queries (B, Lq), docs (N B, Ld) = [positives; negatives]
     -> RankingBatch(queries, docs, teacher_scores)     (N = 2: the triples' [positives; negatives], as always)
     -> sum_k weight_k * term_k(encoder, batch)         and every term's parts to log
 With ``gradcache_chunk_size`` the encoding is done in chunks and the gradient assembled by GradCache
 (``hil.modeling.gradcache``). The optimizer and LR schedule are injected (``optimizer`` / ``lr_scheduler`` class
 paths, Lightning's CLI callables); reseeding and the non-finite guard are callbacks (``hil.modeling.callbacks``).
+
+A step never makes the host wait for the device (``tests/test_host_syncs.py``): the loss and its parts are logged
+as device tensors, which Lightning reads back only at the steps it writes to the loggers (:func:`logs_this_step`);
+the progress bar's ``loss`` is copied to the host at those steps only.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from torch import Tensor
 
 from hil.data.datamodule import TriplesDataModule
 from hil.data.errors import UserError, one_line
+from hil.data.tokenization import ColBERTTokenizer, TokenizedBatch
 from hil.isotropy.regularizers import Regularizer
 from hil.modeling.batch import RankingBatch
 from hil.modeling.encoder import MultiVectorEncoder
@@ -105,6 +112,25 @@ def ranking_texts(batch: dict[str, Any]) -> tuple[list[str], list[str], Tensor |
     return list(queries), list(positives) + list(negatives), batch.get("teacher_scores")
 
 
+def ranking_inputs(batch: dict[str, Any], tokenizer: ColBERTTokenizer
+                   ) -> tuple[TokenizedBatch, TokenizedBatch, Tensor | None]:
+    """A training batch as (queries (B, Lq), documents (N B, Ld), teacher scores (B, N) or None): the tokens the
+    loader made (``hil.data.datamodule.TokenizedCollate``, under ``tokenized``), else the strings tokenized here --
+    the same tensors either way."""
+    tokens = batch.get("tokenized")
+    if tokens is not None:
+        return tokens["queries"], tokens["documents"], batch.get("teacher_scores")
+    queries, documents, teacher = ranking_texts(batch)
+    return tokenizer.encode_queries(queries), tokenizer.encode_documents(documents), teacher
+
+
+def logs_this_step(trainer: pl.Trainer) -> bool:
+    """Whether Lightning writes this step's metrics to the loggers (every ``log_every_n_steps`` steps, and the step
+    training stops at): the steps at which the training loop reads values back from the device. The property
+    Lightning's own ``LearningRateMonitor`` reads."""
+    return bool(trainer._logger_connector.should_update_logs)
+
+
 class RetrieverModule(pl.LightningModule):
     """Composes an encoder and the weighted terms of its objective; logs the loss and every term's parts.
 
@@ -128,7 +154,8 @@ class RetrieverModule(pl.LightningModule):
     Logged (``train/<name>``): ``loss``, every part the loss and the regularizer report (``loss_late``,
     ``pair_accuracy``, ``score_margin``, ``reg``...), ``loss_reg`` (the weighted regularizer term), for each
     further term ``loss_<term>`` (weighted) and ``<term>_<part>``, and InterIso of each head (``inter_iso``, or
-    ``inter_iso_<head>`` with several heads).
+    ``inter_iso_<head>`` with several heads): every step, as device tensors, which Lightning reads back at logging
+    steps. The progress bar shows ``loss``, the last logging step's.
     """
 
     def __init__(self, encoder: MultiVectorEncoder, loss: Term | None = None,
@@ -170,6 +197,7 @@ class RetrieverModule(pl.LightningModule):
     def setup(self, stage: str) -> None:
         datamodule = self.trainer.datamodule if self._trainer is not None else None
         if stage == "fit" and isinstance(datamodule, TriplesDataModule):
+            datamodule.tokenize_with(self.encoder.tokenizer)  # batches arrive tokenized, by the loader's workers
             if self.needs_teacher_scores and not datamodule.has_teacher_scores():
                 wanting = [type(named.term).__name__ for named in self.objective() if named.term.needs_teacher_scores]
                 raise UserError(f"{', '.join(wanting)} needs teacher scores, but the training data "
@@ -195,27 +223,35 @@ class RetrieverModule(pl.LightningModule):
         return loss, parts
 
     def compute_loss(self, batch: dict[str, Any]) -> tuple[Tensor, dict[str, Tensor]]:
-        """The loss of one batch of strings and its detached parts (what ``training_step`` logs)."""
-        queries, documents, teacher = ranking_texts(batch)
+        """The loss of one batch (tokenized, or strings: :func:`ranking_inputs`) and its detached parts (what
+        ``training_step`` logs)."""
+        queries, documents, teacher = ranking_inputs(batch, self.encoder.tokenizer)
         if teacher is not None:
             teacher = torch.as_tensor(teacher, dtype=torch.float32, device=self.encoder.device)
         if self.gradcache_chunk_size is not None and torch.is_grad_enabled():
-            tokenizer = self.encoder.tokenizer
-            return cached_objective(self.encoder, tokenizer.encode_queries(queries),
-                                    tokenizer.encode_documents(documents), self.gradcache_chunk_size,
+            return cached_objective(self.encoder, queries, documents, self.gradcache_chunk_size,
                                     lambda q, d: self.objective_value(RankingBatch(q, d, teacher)))
-        encoded_queries = self.encoder.encode_queries(queries)      # (B, Lq)
-        encoded_docs = self.encoder.encode_documents(documents)    # (N B, Ld)
+        encoded_queries = self.encoder.encode(queries, is_query=True)    # (B, Lq)
+        encoded_docs = self.encoder.encode(documents, is_query=False)    # (N B, Ld)
         return self.objective_value(RankingBatch(encoded_queries, encoded_docs, teacher))
 
-    def training_step(self, batch: dict[str, list[str]], batch_idx: int) -> Tensor:
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
         loss, parts = self.compute_loss(batch)
-        self.loss_parts = parts  # what the non-finite guard reports (the module itself never syncs on the loss)
+        self.loss_parts = parts  # what the non-finite guard records (the module itself never syncs on the loss)
         batch_size = len(batch["queries"])
-        self.log("train/loss", loss, on_step=True, prog_bar=True, batch_size=batch_size)
+        # Device tensors: Lightning reads them back only when it writes to the loggers (no prog_bar here: the bar's
+        # values are read back after every batch, see on_train_batch_end).
+        self.log("train/loss", loss, on_step=True, batch_size=batch_size)
         for name, value in parts.items():
             self.log(f"train/{name}", value, on_step=True, batch_size=batch_size)
         return loss
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        # The progress bar shows the loss of the last logging step: a host copy, made where the loop reads back.
+        if self.trainer.progress_bar_callback is not None and logs_this_step(self.trainer) and \
+                isinstance(outputs, dict) and isinstance(outputs.get("loss"), Tensor):
+            self.log("loss", outputs["loss"].detach().float().cpu(), on_step=True, prog_bar=True, logger=False,
+                     batch_size=len(batch["queries"]))
 
     def configure_optimizers(self) -> dict[str, Any]:
         decay, no_decay = [], []
