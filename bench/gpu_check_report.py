@@ -1,4 +1,7 @@
-"""The machine ``bench/gpu_check.py`` ran on (GPUs, driver, torch and FAISS builds) and its printed summary."""
+"""The machine ``bench/gpu_check.py`` runs on (GPUs, driver, torch and FAISS builds) and its printed plan and table.
+
+``python bench/gpu_check_report.py OUT.json`` writes :func:`environment` to ``OUT.json``: on a GPU machine the check
+reads the machine in this subprocess, so that its own process never holds a CUDA context while the steps run."""
 
 from __future__ import annotations
 
@@ -6,6 +9,7 @@ import os
 import platform
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 GIB = 1024 ** 3
@@ -23,8 +27,7 @@ def nvidia_driver() -> str | None:
 
 
 def environment() -> dict[str, Any]:
-    """GPUs (name, memory, compute capability), driver, torch/CUDA/cuDNN and FAISS builds, CPU count. Called after
-    the steps, so this process holds no CUDA context while they run."""
+    """GPUs (name, memory, compute capability), driver, torch/CUDA/cuDNN and FAISS builds, CPU count."""
     import faiss
     import torch
 
@@ -50,39 +53,82 @@ def _memory(value: int | None) -> str:
     return "-" if value is None else f"{value / GIB:.2f} GiB"
 
 
+def _budget_line(record: dict[str, Any]) -> str:
+    budget, estimates = record["budget"], record.get("estimates") or {}
+    limit = "no budget" if budget["budget_s"] is None else f"a {budget['budget_s']:.0f} s budget"
+    return (f"plan: {len(budget['kept'])} steps, estimate {budget['estimate_s']:.0f} s for {limit}; "
+            f"{estimates.get('note', 'estimates: -')}")
+
+
+def _left_out_lines(record: dict[str, Any]) -> list[str]:
+    return [f"  left out: {item['step']} ({item['reason']})" for item in record["budget"]["left_out"]]
+
+
+def format_plan(record: dict[str, Any]) -> str:
+    """The plan before it runs: the kept steps with their estimates, and what was left out and why."""
+    lines = [f"[gpu-check] {_budget_line(record)}"]
+    lines += [f"  {item['step']:<58}{item['estimate_s']:>8.0f} s" for item in record["budget"]["kept"]]
+    return "\n".join(lines + _left_out_lines(record))
+
+
 def format_summary(record: dict[str, Any]) -> str:
-    """The check's figures as text: the machine, the GPU tests, training, then each GPU evaluation beside its CPU
-    reference (``[cpu]``; ``-`` where none ran)."""
-    env = record["environment"]
-    gpus = ", ".join(g["name"] for g in env["gpus"]) or "no GPU"
-    where = "dry run on the CPU" if record["dry_run"] else gpus
-    lines = [f"gpu-check {record['status']} ({where}; driver {env['driver'] or '-'}, torch {env['torch']} "
-             f"(CUDA {env['torch_cuda'] or '-'}), faiss {env['faiss']['version']} with {env['faiss']['gpus']} GPUs)"]
+    """The check's figures as text, from a whole or a partial record: the machine, the plan and each step's time,
+    the GPU tests, training, then each GPU evaluation beside its CPU reference (``[cpu]``; ``-`` where none ran)."""
+    env = record.get("environment") or {}
+    gpus = ", ".join(g["name"] for g in env.get("gpus", [])) or "no GPU"
+    where = "dry run on the CPU" if record.get("dry_run") else gpus
+    faiss = env.get("faiss") or {}
+    lines = [f"gpu-check {record['status']} ({where}; driver {env.get('driver') or '-'}, torch {env.get('torch', '-')} "
+             f"(CUDA {env.get('torch_cuda') or '-'}), faiss {faiss.get('version', '-')} with {faiss.get('gpus', '-')} "
+             f"GPUs)"]
+    if record.get("budget"):
+        lines += [_budget_line(record), f"  {'step':<58}{'status':>12}{'seconds':>10}{'estimate':>10}"]
+        lines += [f"  {s['step']:<58}{s['status']:>12}{_number(s.get('seconds')):>10}{_number(s['estimate_s']):>10}"
+                  for s in record.get("steps", [])]
+        lines += _left_out_lines(record)
+        lines.append(f"  elapsed {_number(record.get('elapsed_s'))} s")
     tests = record.get("gpu_tests")
     if tests:
         lines.append(f"GPU tests ({tests['selection']}): {tests['passed']} passed, {tests['skipped']} skipped, "
                      f"{tests['failures']} failed, {tests['errors']} errors")
     if record["training"]:
         first = record["training"][0]
-        lines.append(f"\ntraining (DDP over {first['devices']} {first['device'].split(':')[0]} processes, "
-                     f"{first['batch_size_per_device']} triples per device, {first['timed_steps']} timed steps)")
+        strategy = first.get("strategy", "ddp")
+        how = (f"DDP over {first['devices']} {first['device'].split(':')[0]} processes" if strategy == "ddp"
+               else f"one {first['device'].split(':')[0]} device, {strategy}")
+        lines.append(f"\ntraining ({how}, {first['batch_size_per_device']} triples per device, "
+                     f"{first['timed_steps']} timed steps)")
         lines.append(f"  {'model':<28}{'triples/s':>12}{'peak GPU mem':>16}{'peak RSS':>14}")
         for run in record["training"]:
             lines.append(f"  {run['model'] + ' ' + run['precision']:<28}{_number(run['triples_per_s']):>12}"
                          f"{_memory(run['peak_gpu_memory_bytes']):>16}{_memory(run['peak_rss_bytes']):>14}")
     if record["evaluation"]:
-        cpu = {(r["model"], r["trained_precision"], r["dataset"]): r for r in record["cpu_reference"]}
+        def export(run: dict[str, Any]) -> Any:  # records written before exports were named: model and precision
+            return run.get("export") or (run["model"], run["trained_precision"])
+
+        cpu = {(export(r), r["dataset"]): r for r in record.get("cpu_reference", [])}
         first = record["evaluation"][0]
         lines.append(f"\nevaluation ({first['backend']}, {first['device']} {first['precision']}; [cpu] = the same "
                      f"evaluation on the CPU in fp32, this run)")
         lines.append(f"  {'model':<28}{'dataset':<10}{'nDCG@10 [cpu]':>18}{'docs/s [cpu]':>22}"
                      f"{'queries/s [cpu]':>22}{'peak GPU mem':>14}")
         for run in record["evaluation"]:
-            ref = cpu.get((run["model"], run["trained_precision"], run["dataset"]), {})
+            ref = cpu.get((export(run), run["dataset"]), {})
+            name = f"{run['model']} {run['trained_precision']}"
+            if run.get("label") not in (None, f"{run['model']}-{run['trained_precision']}"):
+                name += f" ({run['label']})"  # a given export: its folder's name
             lines.append(
-                f"  {run['model'] + ' ' + run['trained_precision']:<28}{run['dataset']:<10}"
+                f"  {name:<28}{run['dataset']:<10}"
                 f"{_number(run['ndcg@10'], 4) + ' [' + _number(ref.get('ndcg@10'), 4) + ']':>18}"
                 f"{_number(run['documents_per_s']) + ' [' + _number(ref.get('documents_per_s')) + ']':>22}"
                 f"{_number(run['queries_per_s']) + ' [' + _number(ref.get('queries_per_s')) + ']':>22}"
                 f"{_memory(run['peak_gpu_memory_bytes']):>14}")
     return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python bench/gpu_check_report.py OUT.json")
+    from gpu_check_probe import write_report
+
+    write_report(Path(sys.argv[1]), environment())
