@@ -40,7 +40,7 @@ from hil.modeling.contracts import Encoder
 from hil.provenance import file_lock, lock_path, provenance, replace_directory, write_json_atomic
 from hil.retrieval.backends.configs import IndexConfig, configs_from_params, index_config
 from hil.retrieval.backends.registry import BACKENDS, backend_class
-from hil.retrieval.chunks import collect_chunks, join_chunks, kill_if_asked
+from hil.retrieval.chunks import collect_chunks, encoding_batch_sizes, join_chunks, kill_if_asked
 from hil.retrieval.codec import CompressedEmbeddings
 from hil.retrieval.corpus_encoding import (CorpusEncoding, check_processes, check_tokenizer_workers,
                                           encode_corpus)
@@ -56,6 +56,9 @@ from hil.retrieval.store import TokenTable
 logger = logging.getLogger(__name__)
 
 CALIBRATION_DOCS = 32  # documents whose activations calibrate int8 document encoding
+# Documents per encoder batch when none is given: 32 on a CPU (what every index was built with before), more on a
+# GPU, whose time per batch is mostly fixed cost below a few thousand tokens (launches, the sync-free pipeline).
+DEFAULT_BATCH_SIZE = {"cpu": 32, "cuda": 128}
 CHUNKS_DIR = "chunks"
 AUTOCAST_ENCODINGS = (None, "compile")  # document encodings that run PyTorch's own kernels, where autocast applies
 _HEAD_NAME = re.compile(r"^[A-Za-z0-9_\-]+$")
@@ -91,20 +94,25 @@ def _remove_stale_files(directory: Path, head: str, kept: set[Path]) -> None:
 
 
 def write_search_files(directory: Path, embeddings: dict[str, TokenTable], config: IndexConfig, use_gpu: bool,
-                       progress: bool, gpu_device: int = 0) -> dict[str, Any]:
+                       progress: bool, gpu_device: int = 0, device: torch.device | str = "cpu") -> dict[str, Any]:
     """Write the files of ``config``'s back-end for every head; -> the ``"backend"`` part of ``index.json``.
 
-    Files of another kind left from an earlier build are removed, except, for a head stored compressed only, the
-    centroid files: they hold its vectors.
+    ``device``: where the build's torch work may run (the encoder's device: PLAID's k-means there on a GPU); the
+    choices that depend on it are recorded as made (:meth:`SearchBackend.resolve_machine_params`). Files of another
+    kind left from an earlier build are removed, except, for a head stored compressed only, the centroid files:
+    they hold its vectors.
     """
     kind = config.kind
     backend = backend_class(kind)
+    device = torch.device(device)
     resolved: dict[str, Any] = {}
     codecs: dict[str, Any] = {}
     for head, vectors in embeddings.items():
-        resolved = backend.resolve_params(config, vectors.shape[0], vectors.shape[1])
+        resolved = backend.resolve_machine_params(backend.resolve_params(config, vectors.shape[0], vectors.shape[1]),
+                                                  device=device, use_gpu=use_gpu, gpu_device=gpu_device)
         started = time.perf_counter()
-        codec = backend.build_head(directory, head, vectors, resolved, use_gpu=use_gpu, gpu_device=gpu_device)
+        codec = backend.build_head(directory, head, vectors, resolved, use_gpu=use_gpu, gpu_device=gpu_device,
+                                   device=device)
         kept = set(backend.head_files(directory, head))
         if isinstance(vectors, CompressedEmbeddings):
             codec = vectors.codec
@@ -122,13 +130,15 @@ def write_search_files(directory: Path, embeddings: dict[str, TokenTable], confi
 
 
 def rebuild_search_structures(index: TokenIndex, backend: str | IndexConfig, *, use_gpu: bool = False,
-                              progress: bool = True, gpu_device: int = 0) -> TokenIndex:
+                              progress: bool = True, gpu_device: int = 0,
+                              device: torch.device | str = "cpu") -> TokenIndex:
     """Replace the search structures of a finished index (the vectors stay), updating ``index.json`` and its file
-    records. In place, under the index's lock: a process killed meanwhile leaves files that disagree with
-    ``index.json``, which the next open reports (and :func:`open_or_build_index` rebuilds)."""
+    records; ``device`` as :func:`write_search_files`'s. In place, under the index's lock: a process killed meanwhile
+    leaves files that disagree with ``index.json``, which the next open reports (and :func:`open_or_build_index`
+    rebuilds)."""
     with file_lock(lock_path(index.directory), what="rebuilding its search structures"):
         settings = write_search_files(index.directory, index.embeddings, index_config(backend), use_gpu, progress,
-                                      gpu_device)
+                                      gpu_device, device)
         meta = {key: value for key, value in index.meta.items() if key != "faiss"}
         seal_index(index.directory, dict(meta, backend=settings))
         # The checksums were just computed from these very files: the sizes say they are the ones recorded.
@@ -206,7 +216,7 @@ def _start_build_dir(directory: Path) -> Path:
 
 
 def build_index(encoder: Encoder, doc_ids: Sequence[str], texts: Sequence[str], directory: str | os.PathLike, *,
-                batch_size: int = 32, chunk_docs: int = 2048, backend: str | IndexConfig = "flat",
+                batch_size: int | None = None, chunk_docs: int = 2048, backend: str | IndexConfig = "flat",
                 corpus_fingerprint: str | None = None, progress: bool = True, overwrite: bool = False,
                 use_gpu: bool = False, gpu_device: int = 0, quantize: str | None = None,
                 calibration_docs: int = CALIBRATION_DOCS, processes: int = 1, precision: str = "fp32",
@@ -217,7 +227,12 @@ def build_index(encoder: Encoder, doc_ids: Sequence[str], texts: Sequence[str], 
     ``backend``: the search structures' build-time settings (an :class:`~hil.retrieval.backends.configs.IndexConfig`,
     or a kind name with its defaults; ``faiss_kind`` / ``faiss_params`` are the deprecated spelling).
     ``corpus_fingerprint`` defaults to :func:`fingerprint_corpus` of the ids and texts. ``use_gpu`` trains/fills
-    IVF indexes and PLAID's k-means and codes with faiss-gpu (on ``gpu_device``).
+    IVF indexes with faiss-gpu (on ``gpu_device``); PLAID's k-means and codes run where
+    ``PlaidIndexConfig.kmeans`` says (default ``auto``: faiss-gpu where it sees the GPU, else torch on a GPU
+    encoder's device or on ``gpu_device`` with ``use_gpu``, else FAISS on the CPU; recorded as run).
+    ``batch_size``: documents per encoder batch (default :data:`DEFAULT_BATCH_SIZE` for the encoder's device kind;
+    recorded in ``index.json`` as ``encoding_batch_size``, from the chunks: :func:`~hil.retrieval.chunks.
+    encoding_batch_sizes`).
 
     Where: the corpus is encoded on ``encoder.device`` (move the encoder there first). ``processes`` > 1 encodes
     on that many processes through Lightning Fabric (``ddp_spawn``): one per GPU (``cuda:0`` ..) for a CUDA
@@ -246,8 +261,9 @@ def build_index(encoder: Encoder, doc_ids: Sequence[str], texts: Sequence[str], 
     directory = Path(directory)
     heads = tuple(encoder.head_names)
     config = backend_from(backend, faiss_kind, faiss_params)
-    _check_request(heads, batch_size, chunk_docs, config)
     device = torch.device(encoder.device)
+    batch_size = batch_size if batch_size is not None else DEFAULT_BATCH_SIZE.get(device.type, 32)
+    _check_request(heads, batch_size, chunk_docs, config)
     _check_encoding(device, processes, precision, quantize)
     check_tokenizer_workers(tokenizer_workers)
     corpus_fp = corpus_fingerprint or fingerprint_corpus(doc_ids, texts)
@@ -270,7 +286,7 @@ def build_index(encoder: Encoder, doc_ids: Sequence[str], texts: Sequence[str], 
         kill_if_asked("joined")
 
         embeddings = {head: np.load(embeddings_path(build, head), mmap_mode="r") for head in heads}
-        backend_settings = write_search_files(build, embeddings, config, use_gpu, progress, gpu_device)
+        backend_settings = write_search_files(build, embeddings, config, use_gpu, progress, gpu_device, device)
         del embeddings
         shutil.rmtree(build / CHUNKS_DIR)
         dims = metas[0]["dims"]
@@ -280,6 +296,7 @@ def build_index(encoder: Encoder, doc_ids: Sequence[str], texts: Sequence[str], 
                           dim=next(iter(dims.values())) if len(set(dims.values())) == 1 else None,
                           embedding_dtype="float16", backend=backend_settings, corpus_fingerprint=corpus_fp,
                           encoder_fingerprint=encoder_fp, encoding_precision=precision,
+                          encoding_batch_size=encoding_batch_sizes(metas),
                           encoded_on={"device": str(device) if processes == 1 else device.type,
                                       "processes": processes},
                           **({"document_encoding": document_encoding} if document_encoding else {}))
@@ -300,11 +317,21 @@ def _same_document_encoding(index: TokenIndex, quantize: str | None, n_calibrati
 
 def same_search_structures(index: TokenIndex, config: IndexConfig) -> bool:
     """Whether the stored structures are what ``config`` would build (resolved values compared; search-time
-    settings are not part of an index); raises on settings that do not fit this index."""
+    settings are not part of an index); raises on settings that do not fit this index. A wanted value ``auto``
+    (PLAID's ``kmeans``) is a choice left to the building machine: any recorded choice satisfies it, so an index
+    moved to a machine where ``auto`` would choose otherwise is reused, not rebuilt."""
     backend = backend_class(config.kind)
     wanted = [backend.resolve_params(config, index.n_tokens, dim) for dim in index.dims.values()]
     stored = index.backend_settings
-    return stored["kind"] == config.kind and all(params == stored["params"] for params in wanted)
+    return stored["kind"] == config.kind and all(_same_build_params(params, stored["params"]) for params in wanted)
+
+
+def _same_build_params(wanted: dict[str, Any], stored: dict[str, Any]) -> bool:
+    """``wanted`` == ``stored``, but for keys whose wanted value is ``auto``: those match any stored value, or none
+    (an index from before the setting existed)."""
+    machine = {key for key, value in wanted.items() if value == "auto"}
+    return ({key: value for key, value in wanted.items() if key not in machine}
+            == {key: value for key, value in stored.items() if key not in machine})
 
 
 def _open_matching(directory: Path, corpus_fp: str, encoder: Encoder, verify: str) -> TokenIndex | None:
@@ -369,7 +396,7 @@ def open_or_build_index(encoder: Encoder, doc_ids: Sequence[str], texts: Sequenc
         logger.info("%s: search structures differ (%s -> %s): rebuilding them only", directory,
                     index.backend_settings["kind"], config.kind)
         return rebuild_search_structures(index, config, use_gpu=use_gpu, progress=build_kwargs.get("progress", True),
-                                         gpu_device=build_kwargs.get("gpu_device", 0))
+                                         gpu_device=build_kwargs.get("gpu_device", 0), device=encoder.device)
 
 
 def _rebuild_reason(index: TokenIndex, texts: Sequence[str], build_kwargs: dict[str, Any]) -> str | None:

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
+import torch
 
 from hil.provenance import DIGEST, file_digest, write_json_atomic
 from hil.retrieval.encoding import DocumentEncoder, encode_sorted_batches
@@ -97,9 +98,9 @@ def finished_chunk(paths: dict[str, Path], expected: dict[str, Any], *,
 
 
 def _write_chunk(encoder: DocumentEncoder, tokenized: TokenizedChunk, paths: dict[str, Path],
-                 expected: dict[str, Any], progress_bar: Any, rank: int = 0) -> dict[str, Any]:
+                 expected: dict[str, Any], progress_bar: Any, rank: int = 0, batch_size: int = 0) -> dict[str, Any]:
     """Encode one chunk's tokenized batches and write its files, the metadata last; -> the metadata (``expected``,
-    the counts, and the ``rank`` that encoded it: a record only, never compared)."""
+    the counts, and the ``rank`` and ``batch_size`` that encoded it: records only, never compared)."""
     heads = tuple(encoder.head_names)
     encoded = encode_sorted_batches(encoder, tokenized.sorted_batches(), progress_bar=progress_bar)
     for head in heads:  # all checked before anything is written
@@ -115,7 +116,8 @@ def _write_chunk(encoder: DocumentEncoder, tokenized: TokenizedChunk, paths: dic
     files = {path.name: {"bytes": path.stat().st_size, DIGEST: file_digest(path)}
              for key, path in paths.items() if key != "meta"}
     meta = dict(expected, n_tokens=int(encoded.lengths.sum()),
-                dims={head: int(encoded.embeddings[head].shape[1]) for head in heads}, rank=rank, files=files)
+                dims={head: int(encoded.embeddings[head].shape[1]) for head in heads}, rank=rank,
+                batch_size=batch_size, files=files)
     write_json_atomic(paths["meta"], meta)  # last: its presence marks the chunk finished
     return meta
 
@@ -159,11 +161,13 @@ def encode_in_chunks(encoder: DocumentEncoder, texts: Sequence[str], chunks: Pat
         else:
             metas[number] = meta
             progress_bar.update(end - start)
-    for tokenized in tokenized_chunks(encoder.tokenizer, texts, missing, batch_size=batch_size, workers=workers):
+    pinned = torch.device(encoder.device).type == "cuda"  # batches go up to a GPU without the host waiting
+    for tokenized in tokenized_chunks(encoder.tokenizer, texts, missing, batch_size=batch_size, workers=workers,
+                                      pin_memory=pinned):
         number = tokenized.number
         expected = expected_chunk_meta(number, tokenized.start, tokenized.end, heads, identity)
         metas[number] = _write_chunk(encoder, tokenized, chunk_paths(chunks, number, heads), expected,
-                                     progress_bar, rank)
+                                     progress_bar, rank, batch_size)
         if on_written is not None:
             on_written(number)
     return [metas[number] for number, _, _ in mine]
@@ -199,6 +203,14 @@ def discard_unfinished_chunks(chunks: Path) -> list[str]:
             path.unlink(missing_ok=True)
             removed.append(path.name)
     return removed
+
+
+def encoding_batch_sizes(metas: list[dict[str, Any]]) -> int | list[int] | None:
+    """The documents per encoder batch the chunks were encoded with (what ``index.json`` records): one number, or
+    the distinct ones ascending when a resumed build reused chunks of another batch size (None: chunks from before
+    chunks recorded it)."""
+    sizes = sorted({meta["batch_size"] for meta in metas if meta.get("batch_size")})
+    return sizes[0] if len(sizes) == 1 else (sizes or None)
 
 
 def join_chunks(chunks: Path, target: Path, heads: Sequence[str], metas: list[dict[str, Any]]) -> int:

@@ -95,8 +95,8 @@ def faiss_gpu_for(device: torch.device) -> int | None:
         return index
     if not _warned_faiss_cpu:
         _warned_faiss_cpu.append(True)
-        logger.warning("FAISS sees %d GPU(s) (faiss-cpu installed? `pip install hil[gpu]` for faiss-gpu): the index "
-                       "is searched on the CPU; the encoder stays on %s", count, device)
+        logger.warning("FAISS sees %d GPU(s) (faiss-cpu installed?): ivfflat / ivfpq indexes are searched by FAISS "
+                       "on the CPU; flat and plaid search in torch on %s, where the encoder stays", count, device)
     return None
 
 

@@ -19,35 +19,34 @@ plus table look-ups. Full ranking then runs in stages, each keeping fewer docume
 
 Choices (the papers give the idea; the numbers here are ours, measured on SciFact in ``bench/``):
 - ``n_centroids`` defaults to ColBERTv2's ``2 ** floor(log2(16 sqrt(n_tokens)))`` capped by ``n_tokens / 8``;
-  k-means is FAISS's (spherical: centroids are L2-normalized after every iteration, as the vectors are), trained on a
-  seeded sample of ``train_size`` tokens for ``niter`` iterations (ColBERTv2 uses 4-20).
+  k-means is spherical (centroids are L2-normalized after every iteration, as the vectors are), trained on a
+  seeded sample of ``train_size`` tokens for ``niter`` iterations (ColBERTv2 uses 4-20), by FAISS or by the same
+  algorithm in torch on the build's GPU (:mod:`hil.retrieval.kmeans`; ``PlaidIndexConfig.kmeans``).
 - Stage 2 replaces PLAID's score threshold by a fixed count (``stage2_docs``): its cost is then bounded per query
   whatever the corpus, and a count is easier to reason about than a score threshold across models.
 - Documents with no stored token score 0 at every stage, as in Eq. 1 with an empty document.
 
-Where it runs: every stage is torch on one device (:func:`plaid_candidates`' ``device``, by default the query's,
-i.e. the encoder's): the plan's arrays are uploaded there once per opened index (:meth:`CentroidPlan.tables`), and
-only scalar sizes reach the host before the caller takes the ``ndocs`` documents. The centroid scores are one
-exact torch product on that device, not a FAISS search (faiss-gpu or not): stage 3 reads the score of *every*
-centroid, which a k-nearest-centroid search would not give. The same code runs on the CPU and on a GPU; on the
-CPU it gives the numbers of the numpy implementation it replaced (``tests/test_plaid_device.py``).
+Where it runs: the search stages are :mod:`hil.retrieval.plaid_search` (torch on one device, for a batch of
+queries at once; one query is the batch of one); the plan's arrays are uploaded to that device once per opened
+index (:meth:`CentroidPlan.tables`). The centroid scores are one exact torch product on that device, not a FAISS
+search (faiss-gpu or not): stage 3 reads the score of *every* centroid, which a k-nearest-centroid search would
+not give.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Iterator
-
 import numpy as np
 import torch
 
 from hil.retrieval.devices import canonical_device
+from hil.retrieval.kmeans import FAISS_ON_CPU, KMeansEngine, nearest_centroids, spherical_kmeans
 
 # Rows of the (n_tokens, D) table handled at once when assigning codes: bounds the fp32 copy (16 MiB at D=128).
 _ASSIGN_BLOCK = 1 << 15
-# Stage 2 scatters into a (Lq, n_docs) table when it has at most this many cells per probed entry (cell_scores).
-_DENSE_RATIO = 16
+# The same on a GPU (torch): 256 MiB of fp16 rows at D=128 per copy, few copies; the scores are blocked there again.
+_ASSIGN_BLOCK_DEVICE = 1 << 20
 # Rows of a plan's table copied to a device at once (bounds the host temporary: 64 MiB of int32 codes).
 _UPLOAD_BLOCK = 1 << 24
 
@@ -67,28 +66,39 @@ def sample_rows(n_rows: int, size: int, seed: int) -> np.ndarray:
 
 
 def train_centroids(embeddings: np.ndarray, n_centroids: int, *, train_size: int, niter: int = 10,
-                    seed: int = 0, gpu: bool = False) -> np.ndarray:
-    """Spherical k-means (FAISS) on a seeded sample of token vectors. embeddings (n_tokens, D) -> (C, D) float32.
+                    seed: int = 0, engine: KMeansEngine = FAISS_ON_CPU) -> np.ndarray:
+    """Spherical k-means on a seeded sample of token vectors. embeddings (n_tokens, D) -> (C, D) float32.
 
-    The centroids are L2-normalized, so ``q . C_c`` is a cosine like every score in late interaction. ``gpu``: on
-    every GPU faiss-gpu sees (MS MARCO's 2^18 centroids: bench/README.md); the CPU when it sees none.
+    The centroids are L2-normalized, so ``q . C_c`` is a cosine like every score in late interaction. ``engine``
+    (:func:`hil.retrieval.kmeans.kmeans_engine`): FAISS's ``Kmeans`` (on every GPU faiss-gpu sees when
+    ``engine.faiss_gpu`` is set: MS MARCO's 2^18 centroids, bench/README.md), or the same algorithm in torch on
+    ``engine.device`` (:func:`~hil.retrieval.kmeans.spherical_kmeans`, the sample kept in its stored dtype).
     """
-    import faiss
-
     n_tokens, dim = embeddings.shape
     if not 1 <= n_centroids <= n_tokens:
         raise ValueError(f"n_centroids must lie in 1..n_tokens={n_tokens}, got {n_centroids}")
     rows = sample_rows(n_tokens, max(train_size, n_centroids), seed)
-    sample = np.ascontiguousarray(embeddings[rows], dtype=np.float32)  # (S, D)
+    if engine.name == "torch":
+        sample = torch.from_numpy(np.ascontiguousarray(embeddings[rows])).to(engine.device)  # (S, D)
+        centroids = spherical_kmeans(sample, n_centroids, niter=niter, seed=seed).centroids.cpu().numpy()
+    else:
+        centroids = _faiss_kmeans(np.ascontiguousarray(embeddings[rows], dtype=np.float32), n_centroids,
+                                  niter=niter, seed=seed, gpu=engine.faiss_gpu is not None)
+    norms = np.linalg.norm(centroids, axis=1, keepdims=True)
+    return centroids / np.maximum(norms, 1e-12)
+
+
+def _faiss_kmeans(sample: np.ndarray, n_centroids: int, *, niter: int, seed: int, gpu: bool) -> np.ndarray:
+    """FAISS's spherical ``Kmeans`` on ``sample`` (S, D) float32 -> (C, D) float32 (``gpu``: every GPU it sees)."""
+    import faiss
+
     # FAISS subsamples to max_points_per_centroid * k on its own; the sample is already what we want.
     gpus = faiss.get_num_gpus() if gpu and hasattr(faiss, "StandardGpuResources") else 0
-    kmeans = faiss.Kmeans(dim, n_centroids, niter=niter, seed=seed, spherical=True, verbose=False,
+    kmeans = faiss.Kmeans(sample.shape[1], n_centroids, niter=niter, seed=seed, spherical=True, verbose=False,
                           max_points_per_centroid=max(256, len(sample) // n_centroids + 1),
                           **({"gpu": gpus} if gpus else {}))
     kmeans.train(sample)
-    centroids = np.asarray(kmeans.centroids, dtype=np.float32).reshape(n_centroids, dim)
-    norms = np.linalg.norm(centroids, axis=1, keepdims=True)
-    return centroids / np.maximum(norms, 1e-12)
+    return np.asarray(kmeans.centroids, dtype=np.float32).reshape(n_centroids, sample.shape[1])
 
 
 def code_dtype(n_centroids: int) -> np.dtype:
@@ -96,24 +106,41 @@ def code_dtype(n_centroids: int) -> np.dtype:
     return np.dtype(np.uint16) if n_centroids <= 1 << 16 else np.dtype(np.int32)
 
 
-def assign_codes(embeddings: np.ndarray, centroids: np.ndarray, *, block_tokens: int = _ASSIGN_BLOCK,
-                 out: np.ndarray | None = None, gpu_device: int | None = None) -> np.ndarray:
-    """The nearest centroid (largest inner product) of every token. -> (n_tokens,) ``code_dtype``.
+def assign_codes(embeddings: np.ndarray, centroids: np.ndarray, *, block_tokens: int | None = None,
+                 out: np.ndarray | None = None, engine: KMeansEngine = FAISS_ON_CPU) -> np.ndarray:
+    """The nearest centroid (largest inner product; ties: the lowest number) of every token. -> (n_tokens,)
+    ``code_dtype``.
 
     Reads ``embeddings`` (a memmap is fine) in blocks of ``block_tokens`` rows; ``out`` may be a memmap too.
-    ``gpu_device``: search the centroids on that FAISS GPU (where faiss-gpu sees it), else on the CPU.
+    ``engine``: FAISS's ``IndexFlatIP`` (on ``engine.faiss_gpu`` where faiss-gpu sees it, else the CPU), or torch
+    on ``engine.device`` (:func:`~hil.retrieval.kmeans.nearest_centroids`: fp32 products, the same choice as
+    FAISS's but for scores equal to rounding). A block is one copy to the device and one back.
     """
+    n_tokens = embeddings.shape[0]
+    codes = out if out is not None else np.empty(n_tokens, dtype=code_dtype(len(centroids)))
+    if engine.name == "torch":
+        block_tokens = block_tokens or (_ASSIGN_BLOCK_DEVICE if engine.device.type != "cpu" else _ASSIGN_BLOCK)
+        table = torch.from_numpy(np.ascontiguousarray(centroids, dtype=np.float32)).to(engine.device)
+        for start in range(0, n_tokens, block_tokens):
+            block = torch.from_numpy(np.ascontiguousarray(embeddings[start: start + block_tokens]))
+            nearest, _ = nearest_centroids(block.to(engine.device), table)  # stored dtype up, fp32 products there
+            codes[start: start + len(block)] = nearest.cpu().numpy()
+        return codes
+    return _faiss_assign(embeddings, centroids, codes, block_tokens or _ASSIGN_BLOCK, engine.faiss_gpu)
+
+
+def _faiss_assign(embeddings: np.ndarray, centroids: np.ndarray, codes: np.ndarray, block_tokens: int,
+                  gpu_device: int | None) -> np.ndarray:
+    """:func:`assign_codes` by FAISS's ``IndexFlatIP``, on GPU ``gpu_device`` where faiss-gpu sees it."""
     import faiss
 
-    n_tokens = embeddings.shape[0]
     search = faiss.IndexFlatIP(centroids.shape[1])
     resources = None
     if gpu_device is not None and hasattr(faiss, "StandardGpuResources") and gpu_device < faiss.get_num_gpus():
         resources = faiss.StandardGpuResources()  # kept alive while the GPU index is used
         search = faiss.index_cpu_to_gpu(resources, int(gpu_device), search)
     search.add(np.ascontiguousarray(centroids, dtype=np.float32))
-    codes = out if out is not None else np.empty(n_tokens, dtype=code_dtype(len(centroids)))
-    for start in range(0, n_tokens, block_tokens):
+    for start in range(0, len(codes), block_tokens):
         block = np.ascontiguousarray(embeddings[start: start + block_tokens], dtype=np.float32)
         _, nearest = search.search(block, 1)  # (b, 1)
         codes[start: start + len(block)] = nearest[:, 0]
@@ -210,171 +237,3 @@ class CentroidPlan:
                                        _upload(self.ivf_docs, np.int32, device),
                                        _upload(self.doc_offsets, np.int64, device))
         return cache[device]
-
-
-def _on(values: torch.Tensor | np.ndarray, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``values`` as a tensor on ``device`` (a tensor already there is returned as is)."""
-    if not isinstance(values, torch.Tensor):
-        values = torch.from_numpy(np.asarray(values))
-    return values.to(device=device, dtype=dtype)
-
-
-def probe_cells(centroid_scores: torch.Tensor, nprobe: int) -> torch.Tensor:
-    """Each query token's ``nprobe`` best centroids. centroid_scores (Lq, C) -> (Lq, nprobe) int64."""
-    nprobe = min(nprobe, centroid_scores.shape[1])
-    return centroid_scores.topk(nprobe, dim=1, sorted=False).indices
-
-
-def cell_scores(plan: CentroidPlan, centroid_scores: torch.Tensor, cells: torch.Tensor, *,
-                dense: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stage 1 and 2: candidate documents and their probed-cells lower bound of the centroid interaction.
-
-    For query token i and a document d owning a token in a probed centroid, ``m_i(d) = max_{c in probe(i), d in
-    ivf(c)} q_i . C_c``; the bound is ``sum_i m_i(d)`` over the tokens that reached d (the others add nothing).
-    centroid_scores (Lq, C), cells (Lq, nprobe) -> (docs (N,) int64 ascending, bound (N,) float32), on
-    ``centroid_scores``' device, where every step runs.
-
-    The scatter-max goes into a (Lq, n_docs) table when that table is small next to the entries (``dense`` None:
-    ``Lq * n_docs <= _DENSE_RATIO * entries``; a small corpus, where sorting the entries costs more than the
-    table), else into (Lq, N) after a sort of the entries' documents (``torch.unique``). Both give the same numbers
-    (the same values summed in the same order); ``dense`` forces one (tests).
-    """
-    device = centroid_scores.device
-    tables = plan.tables(device)
-    n_tokens_q, nprobe = cells.shape
-    flat_cells = cells.reshape(-1)
-    starts = tables.ivf_offsets[flat_cells]
-    sizes = tables.ivf_offsets[flat_cells + 1] - starts  # (Lq * nprobe,) documents listed under each probe
-    n_entries = int(sizes.sum())  # one scalar crosses to the host: the size of what follows
-    if n_entries == 0:
-        return (torch.zeros(0, dtype=torch.int64, device=device),
-                torch.zeros(0, dtype=centroid_scores.dtype, device=device))
-    # Every (probed cell, document) entry: the probe it came from (probes are token-major: token = probe // nprobe),
-    # hence its place in the inverted file, its document and its score.
-    probe = torch.repeat_interleave(torch.arange(len(sizes), device=device), sizes, output_size=n_entries)
-    list_start = torch.cumsum(sizes, 0) - sizes  # where each probe's entries begin among all entries
-    entry_doc = tables.ivf_docs[(starts - list_start)[probe] + torch.arange(n_entries, device=device)]
-    entry_token = probe // nprobe
-    entry_score = centroid_scores.gather(1, cells).reshape(-1)[probe]
-    n_docs = len(tables.doc_offsets) - 1
-    if dense is None:
-        dense = n_tokens_q * n_docs <= _DENSE_RATIO * n_entries
-    if dense:  # documents by number: no sort; the reached ones are read off a flag per document
-        reached = torch.zeros(n_docs, dtype=torch.bool, device=device)
-        reached[entry_doc.long()] = True
-        docs = reached.nonzero().reshape(-1)
-        width, column = n_docs, entry_doc.long()
-    else:
-        docs, column = torch.unique(entry_doc, sorted=True, return_inverse=True)
-        docs, width = docs.long(), len(docs)
-    # max over the cells of one (token, doc) pair, then sum over tokens: a scatter-max into (Lq, width), then a sum.
-    # include_self=False: a pair no entry reached keeps its 0 (the token adds nothing), a reached one gets the max
-    # of its entries alone, negative or not.
-    best = torch.zeros((n_tokens_q, width), dtype=entry_score.dtype, device=device)
-    best.view(-1).scatter_reduce_(0, entry_token * width + column, entry_score, reduce="amax", include_self=False)
-    if dense:
-        best = best.index_select(1, docs)
-    return docs, best.sum(dim=0)
-
-
-def _length_blocks(sorted_lengths: torch.Tensor, budget: int) -> Iterator[tuple[slice, int]]:
-    """:func:`hil.retrieval.store.length_blocks` on the lengths' device: consecutive blocks of ascending lengths
-    whose padded size ``count * longest`` (an empty item counts 1) fits ``budget``, greedy, at least one item each.
-    -> (block, its longest length): two scalars cross to the host per block, no array."""
-    start, n = 0, len(sorted_lengths)
-    while start < n:
-        window = sorted_lengths[start: start + budget].clamp(min=1)
-        padded = torch.arange(1, len(window) + 1, device=window.device) * window  # nondecreasing
-        count = max(1, int((padded <= budget).sum()))
-        yield slice(start, start + count), int(window[count - 1])
-        start += count
-
-
-def _repeating_rows(offsets: torch.Tensor, docs: torch.Tensor, lengths: torch.Tensor, width: int,
-                    last_row: int) -> torch.Tensor:
-    """Rows ``offsets[d] ..`` of each document padded to ``width`` by repeating its last row (an empty document's
-    rows are some other document's: its caller sets it to 0). -> (N, width) int64 on the tables' device."""
-    positions = torch.arange(width, device=docs.device)
-    last = (lengths - 1).clamp(min=0)
-    return (offsets[docs][:, None] + torch.minimum(positions[None, :], last[:, None])).clamp(max=last_row)
-
-
-def centroid_interaction(plan: CentroidPlan, centroid_scores: torch.Tensor, docs: torch.Tensor | np.ndarray, *,
-                         block_elements: int = 1 << 22) -> torch.Tensor:
-    """Stage 3: ``sum_i max_j q_i . C_{c(j)}`` over every stored token j of each document (PLAID Eq. 3).
-
-    centroid_scores (Lq, C), docs (N,) -> (N,) float32 on ``centroid_scores``' device, where every step runs.
-    Documents are taken in length-sorted blocks of at most ``block_elements`` (N_b * Lmax * Lq) looked-up scores,
-    so padding and memory stay small.
-    """
-    device = centroid_scores.device
-    docs = _on(docs, device, torch.int64)
-    out = torch.zeros(len(docs), dtype=torch.float32, device=device)
-    if len(docs) == 0 or plan.n_tokens == 0:  # no stored token at all: every document scores 0
-        return out
-    tables = plan.tables(device)
-    table = centroid_scores.t().contiguous()  # (C, Lq): one row per centroid, read by code
-    n_q = table.shape[1]
-    # A document's distinct centroids stand for its tokens: the max over them is the max over its tokens.
-    offsets = tables.doc_code_offsets
-    lengths = offsets[docs + 1] - offsets[docs]
-    order = torch.argsort(lengths, stable=True)
-    last_row = max(len(tables.doc_codes) - 1, 0)
-    for block, width in _length_blocks(lengths[order], max(1, block_elements // max(1, n_q))):
-        picked = order[block]
-        rows = _repeating_rows(offsets, docs[picked], lengths[picked], width, last_row)
-        # index_select, not advanced indexing: whole rows of Lq scores copied at once (several times faster on a CPU)
-        codes = tables.doc_codes.index_select(0, rows.reshape(-1))
-        sims = table.index_select(0, codes).view(len(picked), width, n_q)  # the score of every (centroid, q token)
-        # No mask: a document's padding repeats its own last centroid, and a max is unchanged by a repeated element
-        # (one pass over the largest tensor of the search saved). Only an empty document, whose padding is another
-        # document's centroid, is set to 0 afterwards, as the masked max gave it.
-        best = sims.amax(dim=1).sum(dim=1)  # Eq. 3: max over the document's centroids, summed over Lq
-        out[picked] = torch.where(lengths[picked] > 0, best, torch.zeros_like(best))
-    return out
-
-
-def top_by_score(docs: torch.Tensor | np.ndarray, scores: torch.Tensor | np.ndarray, count: int
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``count`` best documents by score (ties: lower document number first), in their given (ascending)
-    order, on ``scores``' device. -> (docs, scores) tensors.
-
-    No sort of all the scores: ``topk`` finds the ``count``-th best score, every score above it is kept, and the
-    places left go to the documents tied at it, lowest numbers first.
-    """
-    scores = _on(scores, scores.device if isinstance(scores, torch.Tensor) else torch.device("cpu"))
-    docs = _on(docs, scores.device)
-    if len(docs) <= count:
-        return docs, scores
-    if count < 1:
-        return docs[:0], scores[:0]
-    cut = scores.topk(count, sorted=False).values.min()
-    keep = scores > cut
-    tied = (scores == cut).nonzero().reshape(-1)
-    # ``count - (above the cut)`` of the tied documents, by document number (``tied`` is in position order)
-    wanted = count - int(keep.sum())
-    keep[tied[torch.argsort(docs[tied], stable=True)[:wanted]]] = True
-    return docs[keep], scores[keep]
-
-
-def plaid_candidates(plan: CentroidPlan, query: torch.Tensor, *, nprobe: int, ndocs: int,
-                     stage2_docs: int | None = None, device: torch.device | str | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
-    """Stages 1-3 for one query. query (Lq, D) (its scored tokens) -> (docs (<= ndocs,) int64 ascending, their
-    centroid-interaction scores (float32), counts per stage).
-
-    ``stage2_docs`` (default ``4 * ndocs``) documents survive the probed-cells bound into stage 3. ``device``
-    (default: the query's) is where every stage runs and the returned tensors are: the plan's tables are uploaded
-    there once (:meth:`CentroidPlan.tables`), the query is moved there, and nothing but scalar sizes comes back
-    before the caller takes the result.
-    """
-    device = canonical_device(device) if device is not None else query.device
-    centroids = plan.tables(device).centroids
-    scores = query.to(device=device, dtype=torch.float32) @ centroids.T  # (Lq, C)
-    cells = probe_cells(scores, nprobe)
-    docs, bound = cell_scores(plan, scores, cells)
-    n_probed = len(docs)
-    docs, _ = top_by_score(docs, bound, stage2_docs if stage2_docs is not None else 4 * ndocs)
-    approx = centroid_interaction(plan, scores, docs)
-    docs, approx = top_by_score(docs, approx, ndocs)
-    return docs, approx, {"probed_docs": n_probed}

@@ -1,10 +1,5 @@
-"""Full ranking (back-end candidates -> exact late interaction), exhaustive exact ranking, and re-ranking.
-
-Full ranking follows ColBERT v1's end-to-end retrieval (Khattab & Zaharia 2020, Sec. 3.6; HIL Sec. 2) in two steps:
-the index's back-end (:mod:`hil.retrieval.backends`: a token ANN search in FAISS, or PLAID's centroid pruning)
-proposes each query's candidate documents, the union over heads; then every candidate is scored exactly with
-``encoder.score`` (for ColBERT, Eq. 1 ``sum_i max_j E_qi . E_dj``; the model decides how its heads combine:
-search never hard-codes MaxSim). Scores come from the index's fp16 vectors widened to fp32.
+"""Exact scoring of stored documents, exhaustive exact ranking and re-ranking; what full ranking
+(:mod:`hil.retrieval.full_ranking`) shares with them.
 
 Every ranking follows trec_eval's rule (:mod:`hil.data.ranking`: score descending, then document id descending), so
 a metric at k is the same from a depth-k search as from any deeper one. With ``skip_self`` a query's own document
@@ -17,10 +12,7 @@ a damaged index).
 from __future__ import annotations
 
 import time
-import warnings
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from itertools import combinations
 from typing import Any, Iterator, Sequence
 
 import numpy as np
@@ -28,10 +20,6 @@ import torch
 
 from hil.data.ranking import id_rank, top_k_indices
 from hil.modeling.contracts import EncodedBatch, Encoder
-from hil.retrieval.backends.base import Candidates
-from hil.retrieval.backends.configs import SearchConfig, with_search_values
-from hil.retrieval.backends.registry import open_backend
-from hil.retrieval.devices import resolve_device
 from hil.retrieval.encoding import encode_document_tokens, eval_mode
 from hil.retrieval.index import TokenIndex
 from hil.retrieval.integrity import (check_finite_queries, check_finite_scores, check_finite_vectors,
@@ -134,23 +122,23 @@ def top_k(scores: np.ndarray, doc_indices: np.ndarray, doc_id_rank: np.ndarray, 
     return doc_indices[best], np.asarray(scores)[best]
 
 
-def _self_row(store: TokenStore, qid: str, skip_self: bool) -> int | None:
+def self_row(store: TokenStore, qid: str, skip_self: bool) -> int | None:
     """The row of the document whose id is the query's (None when not skipped or not in the corpus)."""
     return store.doc_index.get(qid) if skip_self else None
 
 
-def _where(store: TokenStore) -> str:
+def store_location(store: TokenStore) -> str:
     return str(store.directory) if isinstance(store, TokenIndex) else "the token store"
 
 
-def _check_heads(encoder: Encoder, store: TokenStore) -> None:
+def check_heads(encoder: Encoder, store: TokenStore) -> None:
     missing = [head for head in encoder.head_names if head not in store.embeddings]
     if missing:
-        raise ValueError(f"{_where(store)} has heads {list(store.head_names)}; the encoder needs {missing} too "
+        raise ValueError(f"{store_location(store)} has heads {list(store.head_names)}; the encoder needs {missing} too "
                          "(index built with another model?)")
 
 
-def _query_items(queries: dict[str, str]) -> tuple[list[str], list[str]]:
+def query_items(queries: dict[str, str]) -> tuple[list[str], list[str]]:
     qids = list(queries)
     texts = [queries[qid] for qid in qids]
     bad = [qid for qid, text in zip(qids, texts) if not isinstance(text, str)][:5]
@@ -159,132 +147,8 @@ def _query_items(queries: dict[str, str]) -> tuple[list[str], list[str]]:
     return qids, texts
 
 
-def _progress(total: int, desc: str, enabled: bool) -> Any:
+def search_progress(total: int, desc: str, enabled: bool) -> Any:
     return progress_bar(total, desc, "query", enabled)
-
-
-@contextmanager
-def _timed(timings: dict[str, float], name: str) -> Iterator[None]:
-    tick = time.perf_counter()
-    try:
-        yield
-    finally:
-        timings[name] += time.perf_counter() - tick
-
-
-class _HeadOverlap:
-    """How many candidates each exact combination of heads proposed (the Venn regions of the paper's Figure 3)."""
-
-    def __init__(self, heads: Sequence[str]):
-        self.combos = [c for r in range(1, len(heads) + 1) for c in combinations(range(len(heads)), r)]
-        self.names = ["+".join(heads[i] for i in combo) for combo in self.combos]
-        self.counts = dict.fromkeys(self.names, 0)
-
-    def add(self, flags: np.ndarray) -> None:
-        """flags (U, H) bool: which heads proposed each candidate of one query."""
-        for name, combo in zip(self.names, self.combos):
-            wanted = np.zeros(flags.shape[1], dtype=bool)
-            wanted[list(combo)] = True
-            self.counts[name] += int((flags == wanted).all(axis=1).sum())
-
-
-def _named_sources(index: TokenIndex, heads: Sequence[str], found: Candidates,
-                   docs: list[int]) -> dict[str, tuple[str, ...]]:
-    """Document id -> the heads that proposed it, for ``docs`` (all among ``found``, whose docs are ascending)."""
-    rows = found.heads[np.searchsorted(found.docs, docs)].tolist() if len(docs) else []
-    names: dict[tuple[bool, ...], tuple[str, ...]] = {}  # one tuple of head names per combination of flags
-    for row in map(tuple, rows):
-        if row not in names:
-            names[row] = tuple(h for h, flag in zip(heads, row) if flag)
-    return {index.doc_ids[d]: names[tuple(row)] for d, row in zip(docs, rows)}
-
-
-def full_rank(encoder: Encoder, index: TokenIndex, queries: dict[str, str], *, k: int = 1000,
-              search: SearchConfig | None = None, batch_size: int = 64, use_gpu: bool = False, gpu_device: int = 0,
-              block_tokens: int = 1 << 16, keep_candidate_sources: bool = False, progress: bool = True,
-              skip_self: bool = False, ncandidates: int | None = None, max_candidates: int | None = None,
-              nprobe: int | None = None, stage2_docs: int | None = None,
-              device: torch.device | str | None = None, query_encoder: Encoder | None = None) -> SearchResult:
-    """End-to-end retrieval: the back-end's candidate documents (union over heads) -> exact ``encoder.score``
-    -> top ``k``.
-
-    ``search``: the search-time settings of the index's back-end (:mod:`hil.retrieval.backends.configs`; its
-    defaults when None); ``ncandidates``, ``max_candidates``, ``nprobe``, ``stage2_docs`` set single fields of it
-    (a field the back-end does not have is refused). Token ANN back-ends (``flat``, ``ivfflat``, ``ivfpq``): per
-    query token ``ncandidates`` ANN hits per head (``nprobe`` IVF lists visited); ``max_candidates`` caps the
-    candidates per query, keeping those with the best approximate score (the sum over heads and query tokens of each
-    token's best retrieved similarity in the document: a ColBERT-style lower bound of MaxSim, a choice of ours).
-    A ``plaid`` index (centroid pruning, :mod:`hil.retrieval.plaid`): each query token probes ``nprobe`` centroids,
-    ``stage2_docs`` documents survive the probed-cells bound, and each head keeps its ``max_candidates`` (``ndocs``)
-    best documents by centroid interaction; the union over heads is scored exactly. Its stages run on ``device``
-    (``auto``, ``cpu``, ``cuda[:N]``; None: the encoder's device). ``query_encoder``: encodes the queries instead
-    of ``encoder`` (a faster runtime of the same model, :func:`hil.retrieval.onnx_encode.onnx_query_encoder`);
-    documents are always scored by ``encoder``. ``block_tokens``: padded document tokens gathered per scoring call
-    (one query at a time: 65,536 tokens are a 32 MiB fp32 block at D = 128, and fewer calls than 16,384; the same
-    scores, bit for bit, on SciFact).
-
-    ``stats`` records the settings as the back-end used them (``search``: read back after the search).
-    """
-    if k < 1 or batch_size < 1:
-        raise ValueError(f"k and batch_size must be >= 1 (got {k}, {batch_size})")
-    _check_heads(encoder, index)
-    qids, texts = _query_items(queries)
-    heads = tuple(encoder.head_names)
-    kind = index.backend_settings["kind"]
-    if kind == "plaid":  # ``max_candidates`` is PLAID's ``ndocs``
-        fields = {"ndocs": max_candidates, "nprobe": nprobe, "stage2_docs": stage2_docs, "ncandidates": ncandidates}
-    else:
-        fields = {"ncandidates": ncandidates, "max_candidates": max_candidates, "nprobe": nprobe,
-                  "stage2_docs": stage2_docs}
-    search = with_search_values(kind, search, fields)
-    backend = open_backend(index, search, use_gpu=use_gpu, gpu_device=gpu_device,
-                           device=None if device is None else resolve_device(device), depth=k)
-    candidates_cap = getattr(backend.search, "ndocs", None) if kind == "plaid" else None
-    if candidates_cap is not None and candidates_cap < k:  # a run shorter than k would be read as one of depth k
-        warnings.warn(f"plaid: ndocs={candidates_cap} < k={k}: each head proposes at most {candidates_cap} documents, "
-                      f"so a query may rank fewer than {k}", stacklevel=2)
-    overlap = _HeadOverlap(heads)
-    run: dict[str, dict[str, float]] = {}
-    sources: dict[str, dict[str, tuple[str, ...]]] = {}
-    counts: list[int] = []
-    timings = {"encode_s": 0.0, "ann_s": 0.0, "score_s": 0.0}
-    started = time.perf_counter()
-    bar = _progress(len(qids), "full ranking", progress)
-    with eval_mode(encoder):
-        for batch_start in range(0, len(qids), batch_size):
-            batch_qids = qids[batch_start: batch_start + batch_size]
-            with _timed(timings, "encode_s"):
-                encoded = (query_encoder or encoder).encode_queries(texts[batch_start: batch_start + batch_size])
-            # Before the ANN search: FAISS never returns a NaN neighbour, so NaN queries would rank nothing.
-            check_finite_queries(encoded, batch_qids, encoder.architecture)
-            with _timed(timings, "ann_s"):  # retrieve
-                found = backend.candidates(encoded, heads)
-            with _timed(timings, "score_s"):  # rank
-                non_finite = []
-                for row, (qid, candidates) in enumerate(zip(batch_qids, found)):
-                    counts.append(len(candidates.docs))
-                    overlap.add(candidates.heads)
-                    scores = score_documents(encoder, encoded.select(slice(row, row + 1)), index, candidates.docs,
-                                             block_tokens=block_tokens)[0]
-                    if not np.isfinite(scores).all():
-                        non_finite.append(qid)
-                        continue
-                    best_docs, best_scores = top_k(scores, candidates.docs, index.doc_id_rank, k,
-                                                   exclude=_self_row(index, qid, skip_self))
-                    run[qid] = {index.doc_ids[d]: float(s) for d, s in zip(best_docs.tolist(), best_scores.tolist())}
-                    kept = candidates.docs if keep_candidate_sources else best_docs
-                    sources[qid] = _named_sources(index, heads, candidates, kept.tolist())
-                if non_finite:
-                    raise non_finite_scores(non_finite, _where(index))
-            bar.update(len(batch_qids))
-    bar.close()
-    total = time.perf_counter() - started
-    stats = {"n_queries": len(qids), "k": k, "skip_self": skip_self, "search": backend.search_stats(),
-             "candidates_mean": float(np.mean(counts)) if counts else 0.0,
-             "candidates_min": int(min(counts, default=0)), "candidates_max": int(max(counts, default=0)),
-             "candidate_sources": overlap.counts, **timings, "total_s": total,
-             "ms_per_query": 1000.0 * total / max(1, len(qids))}
-    return SearchResult(run, sources, stats)
 
 
 # -- exhaustive exact ranking -----------------------------------------------------------------------------------
@@ -313,13 +177,13 @@ def exact_rank(encoder: Encoder, index: TokenStore, queries: dict[str, str], k: 
     The ground truth for full ranking. Queries are taken in groups whose (group, n_docs) fp32 score matrix fits
     ``score_matrix_bytes``; each group makes one pass over the corpus.
     """
-    _check_heads(encoder, index)
-    qids, texts = _query_items(queries)
+    check_heads(encoder, index)
+    qids, texts = query_items(queries)
     all_docs = np.arange(index.n_docs, dtype=np.int64)
     group = max(1, score_matrix_bytes // (4 * max(1, index.n_docs)))
     run: dict[str, dict[str, float]] = {}
     started = time.perf_counter()
-    bar = _progress(len(qids), "exact ranking", progress)
+    bar = search_progress(len(qids), "exact ranking", progress)
     with eval_mode(encoder):
         for group_start in range(0, len(qids), group):
             group_texts = texts[group_start: group_start + group]
@@ -328,10 +192,10 @@ def exact_rank(encoder: Encoder, index: TokenStore, queries: dict[str, str], k: 
             group_qids = qids[group_start: group_start + group]
             check_finite_queries(encoded, group_qids, encoder.architecture)
             scores = score_documents(encoder, encoded, index, all_docs, block_tokens=block_tokens)  # (G, n_docs)
-            check_finite_scores(scores, group_qids, _where(index))
+            check_finite_scores(scores, group_qids, store_location(index))
             for row, qid in enumerate(group_qids):
                 best_docs, best_scores = top_k(scores[row], all_docs, index.doc_id_rank, k,
-                                               exclude=_self_row(index, qid, skip_self))
+                                               exclude=self_row(index, qid, skip_self))
                 run[qid] = {index.doc_ids[d]: float(s) for d, s in zip(best_docs.tolist(), best_scores.tolist())}
             bar.update(len(group_texts))
     bar.close()
@@ -353,8 +217,8 @@ def exhaustive_scores(encoder: Encoder, store: TokenStore, queries: dict[str, st
     them, ColBERT-lambda by default); that is checked against ``encoder.score`` on a corner of the matrix, so a
     model that combines its heads otherwise (a weighted ensemble) is refused rather than ranked wrongly.
     """
-    _check_heads(encoder, store)
-    qids, texts = _query_items(queries)
+    check_heads(encoder, store)
+    qids, texts = query_items(queries)
     every = np.arange(store.n_docs, dtype=np.int64)
     with eval_mode(encoder):
         encoded = concat_batches([encoder.encode_queries(texts[i: i + batch_size])
@@ -362,7 +226,7 @@ def exhaustive_scores(encoder: Encoder, store: TokenStore, queries: dict[str, st
         check_finite_queries(encoded, qids, encoder.architecture)
         heads = score_documents(encoder, encoded, store, every, block_tokens=block_tokens, by_head=True)
         total = sum(heads.values()) if len(heads) > 1 else next(iter(heads.values()))
-        check_finite_scores(total, qids, _where(store))  # a NaN or inf of any head reaches the sum
+        check_finite_scores(total, qids, store_location(store))  # a NaN or inf of any head reaches the sum
         # every document: an encoder normalizing per query takes its moments from all of them
         corner = score_documents(encoder, encoded.select(slice(0, 4)), store, every, block_tokens=block_tokens)
     if not np.allclose(corner, total[:4], atol=1e-3, rtol=1e-4):
@@ -415,10 +279,10 @@ def rerank(encoder: Encoder, index: TokenStore | None, queries: dict[str, str], 
     ``texts`` are encoded on the fly (kept in fp32), for groups of queries sharing at most about ``chunk_docs``
     distinct documents, so memory stays bounded. Queries without candidates get an empty ranking.
     """
-    qids, _ = _query_items(queries)
+    qids, _ = query_items(queries)
     wanted = {qid: _unique_in_order(candidates.get(qid, ())) for qid in qids}
     if index is not None:
-        _check_heads(encoder, index)
+        check_heads(encoder, index)
         missing = sorted({d for docs in wanted.values() for d in docs if d not in index.doc_index})
         if missing:
             raise KeyError(f"{len(missing)} candidate documents are not in the index at "
@@ -435,7 +299,7 @@ def rerank(encoder: Encoder, index: TokenStore | None, queries: dict[str, str], 
     run: dict[str, dict[str, float]] = {}
     timings = {"encode_docs_s": 0.0, "encode_queries_s": 0.0, "score_s": 0.0}
     started = time.perf_counter()
-    bar = _progress(len(qids), "re-ranking", progress)
+    bar = search_progress(len(qids), "re-ranking", progress)
     with eval_mode(encoder):
         for group_qids, store in groups:
             if store is None:  # encode this group's documents
@@ -468,10 +332,10 @@ def rerank(encoder: Encoder, index: TokenStore | None, queries: dict[str, str], 
                         non_finite.append(qid)
                         continue
                     best_docs, best_scores = top_k(scores, docs, store.doc_id_rank, k,
-                                                   exclude=_self_row(store, qid, skip_self))
+                                                   exclude=self_row(store, qid, skip_self))
                     run[qid] = {store.doc_ids[d]: float(s) for d, s in zip(best_docs.tolist(), best_scores.tolist())}
                 if non_finite:  # documents encoded just now (no index) are the model's output
-                    raise non_finite_scores(non_finite, _where(index) if index is not None else "the candidates "
+                    raise non_finite_scores(non_finite, store_location(index) if index is not None else "the candidates "
                                             "encoded on the fly")
                 timings["score_s"] += time.perf_counter() - tick
                 bar.update(len(batch_qids))

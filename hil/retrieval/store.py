@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import warnings
 from functools import cached_property
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -114,6 +114,19 @@ def length_blocks(sorted_lengths: np.ndarray, block_tokens: int) -> list[tuple[i
         blocks.append((start, end))
         start = end
     return blocks
+
+
+def device_length_blocks(sorted_lengths: torch.Tensor, budget: int) -> Iterator[tuple[slice, int]]:
+    """:func:`length_blocks` on the lengths' device (a tensor): consecutive blocks of ascending lengths
+    whose padded size ``count * longest`` (an empty item counts 1) fits ``budget``, greedy, at least one item each.
+    -> (block, its longest length): two scalars cross to the host per block, no array."""
+    start, n = 0, len(sorted_lengths)
+    while start < n:
+        window = sorted_lengths[start: start + budget].clamp(min=1)
+        padded = torch.arange(1, len(window) + 1, device=window.device) * window  # nondecreasing
+        count = max(1, int((padded <= budget).sum()))
+        yield slice(start, start + count), int(window[count - 1])
+        start += count
 
 
 # -- gathering stored documents ---------------------------------------------------------------------------------

@@ -24,11 +24,14 @@ vectors and every index file are byte for byte those of ``workers=0``. Choices:
   processes are spawned (macOS, Windows) the dataset is pickled into each worker, texts included; pass texts read
   from disk (:class:`~hil.retrieval.corpus_texts.CorpusTextsFile`, a path on the wire) there.
 - ``workers=0`` tokenizes each chunk in this process just before encoding it (no loader, no extra process).
+- **Pinned for a GPU** (``pin_memory``): a chunk's three flat arrays are copied once into page-locked memory (by
+  the loader's pinning thread, or here with ``workers=0``), so each batch, a view of them, goes up to the GPU
+  without the host waiting for the device (:func:`hil.retrieval.encoding.encode_sorted_batches`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -51,9 +54,10 @@ class TokenizedChunk:
     end: int
     order: np.ndarray           # (n,) int64: input positions within the chunk, in encoding order
     shapes: np.ndarray          # (n_batches, 2) int64: (B, L) of each batch
-    input_ids: np.ndarray       # (sum of B * L,) int64
-    attention_mask: np.ndarray  # (sum of B * L,) int64
-    scoring_mask: np.ndarray    # (sum of B * L,) bool
+    # The token arrays: numpy as packed, torch tensors in pinned memory after pin_memory().
+    input_ids: np.ndarray | torch.Tensor       # (sum of B * L,) int64
+    attention_mask: np.ndarray | torch.Tensor  # (sum of B * L,) int64
+    scoring_mask: np.ndarray | torch.Tensor    # (sum of B * L,) bool
 
     @classmethod
     def pack(cls, chunk: ChunkRange, tokenized: SortedBatches) -> "TokenizedChunk":
@@ -67,12 +71,18 @@ class TokenizedChunk:
         return cls(number, start, end, np.asarray(tokenized.order, dtype=np.int64), shapes.reshape(-1, 2),
                    flat("input_ids", np.int64), flat("attention_mask", np.int64), flat("scoring_mask", np.bool_))
 
+    def pin_memory(self) -> "TokenizedChunk":
+        """The chunk with its token arrays copied into pinned memory (what ``DataLoader(pin_memory=True)`` calls on
+        an item, in its pinning thread). Needs CUDA."""
+        return replace(self, **{name: torch.as_tensor(getattr(self, name)).pin_memory()
+                                for name in ("input_ids", "attention_mask", "scoring_mask")})
+
     def sorted_batches(self) -> SortedBatches:
-        """The batches as tensors (views of the flat arrays), in encoding order."""
+        """The batches as tensors (views of the flat arrays, pinned ones included), in encoding order."""
         batches, cursor = [], 0
         for rows, width in self.shapes.tolist():
             cut = slice(cursor, cursor + rows * width)
-            batches.append(TokenizedBatch(*(torch.from_numpy(array[cut].reshape(rows, width))
+            batches.append(TokenizedBatch(*(torch.as_tensor(array[cut]).reshape(rows, width)
                                             for array in (self.input_ids, self.attention_mask, self.scoring_mask))))
             cursor += rows * width
         return SortedBatches(self.order, batches)
@@ -103,18 +113,19 @@ def _as_is(item: TokenizedChunk) -> TokenizedChunk:
 
 
 def tokenized_chunks(tokenizer: ColBERTTokenizer, texts: Sequence[str], chunks: Sequence[ChunkRange], *,
-                     batch_size: int, workers: int = 0) -> Iterator[TokenizedChunk]:
+                     batch_size: int, workers: int = 0, pin_memory: bool = False) -> Iterator[TokenizedChunk]:
     """``chunks`` of ``texts`` tokenized into sorted batches, in the order given: in this process, each just
     before it is needed (``workers=0``), or by ``workers`` loader processes running ahead (see the module
-    docstring). The batches are the same either way."""
+    docstring). The batches are the same either way. ``pin_memory`` (for a GPU encoder): each chunk's token arrays
+    in pinned memory."""
     if workers < 0:
         raise ValueError(f"tokenizer_workers must be >= 0 (got {workers})")
     dataset = ChunkTokenization(tokenizer, texts, chunks, batch_size)
     if workers == 0 or len(dataset) == 0:
         for item in range(len(dataset)):
-            yield dataset[item]
+            yield dataset[item].pin_memory() if pin_memory else dataset[item]
         return
-    # batch_size=None: one item is one chunk, passed through unchanged.
+    # batch_size=None: one item is one chunk, passed through unchanged (then pinned by the loader's thread).
     loader = DataLoader(dataset, batch_size=None, shuffle=False, num_workers=min(workers, len(dataset)),
-                        collate_fn=_as_is)
+                        collate_fn=_as_is, pin_memory=pin_memory)
     yield from loader

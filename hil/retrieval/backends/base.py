@@ -1,6 +1,6 @@
 """The interface every search back-end implements: its settings and files when building, its candidates when searching.
 
-Full ranking (:func:`hil.retrieval.search.full_rank`) is two steps: a back-end proposes *candidates* for each query
+Full ranking (:func:`hil.retrieval.full_ranking.full_rank`) is two steps: a back-end proposes *candidates* for each query
 (cheap, approximate), then every candidate is scored exactly by the encoder over the stored vectors. A back-end
 therefore only answers "which documents are worth scoring, and which head proposed each"; it never ranks.
 
@@ -36,6 +36,42 @@ class Candidates:
 
     docs: np.ndarray   # (U,) int64 document rows, ascending
     heads: np.ndarray  # (U, H) bool: heads[u, h] when head h proposed docs[u]
+
+
+@dataclass
+class CandidatePairs:
+    """The candidates of a batch of queries as (query, document) pairs on one device, sorted by query, then
+    document: what batched full ranking scores (:func:`hil.retrieval.full_ranking.full_rank`)."""
+
+    query: torch.Tensor  # (P,) int64: the query's row in the batch
+    docs: torch.Tensor   # (P,) int64: document rows
+    heads: torch.Tensor  # (P, H) bool: heads[p, h] when head h proposed the pair
+
+    @classmethod
+    def from_candidates(cls, found: Sequence[Candidates], device: torch.device) -> "CandidatePairs":
+        """Per-query candidates (host arrays) as pairs on ``device``."""
+        n_heads = found[0].heads.shape[1] if found else 0
+        query = np.repeat(np.arange(len(found), dtype=np.int64), [len(c.docs) for c in found])
+        docs = np.concatenate([np.asarray(c.docs, dtype=np.int64) for c in found]) if found else np.zeros(0, np.int64)
+        flags = (np.concatenate([np.asarray(c.heads, dtype=bool).reshape(-1, n_heads) for c in found]) if found
+                 else np.zeros((0, 0), dtype=bool))
+        return cls(*(torch.from_numpy(a).to(device) for a in (query, docs, flags)))
+
+    @classmethod
+    def union(cls, per_head: Sequence[tuple[torch.Tensor, torch.Tensor]], n_docs: int) -> "CandidatePairs":
+        """The union over heads of each head's (query, document) pairs, with which heads proposed each."""
+        keys = [query * max(n_docs, 1) + docs for query, docs in per_head]
+        head = torch.cat([torch.full_like(k, h) for h, k in enumerate(keys)])
+        union, where = torch.unique(torch.cat(keys), sorted=True, return_inverse=True)
+        flags = torch.zeros((len(union), len(per_head)), dtype=torch.bool, device=union.device)
+        flags[where, head] = True
+        return cls(union // max(n_docs, 1), union % max(n_docs, 1), flags)
+
+    def per_query(self, n_queries: int) -> list[Candidates]:
+        """The same candidates as per-query host arrays (one copy to the host)."""
+        query, docs, flags = (t.cpu().numpy() for t in (self.query, self.docs, self.heads))
+        bounds = np.searchsorted(query, np.arange(n_queries + 1))
+        return [Candidates(docs[lo:hi], flags[lo:hi]) for lo, hi in zip(bounds[:-1], bounds[1:])]
 
 
 class SearchBackend(ABC):
@@ -90,10 +126,19 @@ class SearchBackend(ABC):
         return []
 
     @classmethod
+    def resolve_machine_params(cls, params: dict[str, Any], *, device: torch.device, use_gpu: bool = False,
+                               gpu_device: int = 0) -> dict[str, Any]:
+        """Resolved ``params`` with the choices that depend on the machine building them (PLAID's ``kmeans:
+        auto``) made for a build on ``device``: what the build runs and ``index.json`` records. None by default."""
+        return params
+
+    @classmethod
     def build_head(cls, directory: Path, head: str, vectors: TokenTable, params: dict[str, Any], *,
-                   use_gpu: bool = False, gpu_device: int = 0) -> ResidualCodec | None:
+                   use_gpu: bool = False, gpu_device: int = 0,
+                   device: torch.device | None = None) -> ResidualCodec | None:
         """Write the structure of one head into ``directory`` (each file atomically); -> the residual codec when
-        the vectors were also stored compressed, else None. ``params`` are resolved."""
+        the vectors were also stored compressed, else None. ``params`` are resolved (machine choices included);
+        ``device``: where torch work of the build may run (the encoder's; None: the CPU)."""
         return None
 
     # -- searching --------------------------------------------------------------------------------------------------
@@ -103,6 +148,12 @@ class SearchBackend(ABC):
 
         Each head searches with its own query vectors; a query's candidates are the union over heads.
         """
+
+    def candidate_pairs(self, queries: EncodedBatch, heads: Sequence[str]) -> CandidatePairs:
+        """The candidates of every query of the batch as (query, document) pairs on the queries' device: the same
+        documents and flags as :meth:`candidates`. A back-end whose search runs in torch (PLAID) overrides this
+        to search the whole batch on the device at once; by default the per-query candidates are converted."""
+        return CandidatePairs.from_candidates(self.candidates(queries, heads), queries.mask.device)
 
     def search_stats(self) -> dict[str, Any]:
         """The search-time settings as this back-end used them (read back from its structures where they hold

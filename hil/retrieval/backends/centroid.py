@@ -20,13 +20,15 @@ import torch
 from hil.data.errors import UserError
 from hil.modeling.contracts import EncodedBatch
 from hil.provenance import atomic_output
-from hil.retrieval.backends.base import Candidates, SearchBackend
+from hil.retrieval.backends.base import CandidatePairs, Candidates, SearchBackend
 from hil.retrieval.backends.configs import IndexConfig, PlaidIndexConfig, PlaidSearchConfig
 from hil.retrieval.codec import NBITS, CompressedEmbeddings, ResidualCodec, fit_residual_codec
 from hil.retrieval.index import DOC_OFFSETS_NPY, embeddings_path, plaid_paths, save_npy_atomic
 from hil.retrieval.integrity import check_finite_vectors, load_npy, rebuild_hint
+from hil.retrieval.kmeans import kmeans_engine
 from hil.retrieval.plaid import (CentroidPlan, assign_codes, build_ivf, code_dtype, default_n_centroids,
-                                 plaid_candidates, sample_rows, train_centroids)
+                                 sample_rows, train_centroids)
+from hil.retrieval.plaid_search import plaid_pairs
 from hil.retrieval.store import TokenTable
 
 # Tokens the residual buckets are fitted on (a seeded sample).
@@ -62,7 +64,7 @@ class PlaidBackend(SearchBackend):
         """Stored structure (:class:`PlaidIndexConfig`): ``n_centroids`` (default ColBERTv2's
         ``2**floor(log2(16 sqrt(n_tokens)))``), k-means on ``train_size`` sampled tokens (default
         ``min(n_tokens, 32 n_centroids)``) for ``niter`` iterations, ``seed``, ``residual_bits``,
-        ``keep_embeddings``."""
+        ``keep_embeddings``, and ``kmeans`` as asked (``auto`` is resolved by :meth:`resolve_machine_params`)."""
         params = cls.check_config(config).given()
         n_centroids = int(params.get("n_centroids") or default_n_centroids(n_tokens))
         resolved: dict[str, Any] = {
@@ -70,9 +72,17 @@ class PlaidBackend(SearchBackend):
             "train_size": min(n_tokens, int(params.get("train_size") or 32 * n_centroids)),
             "niter": int(params["niter"]), "seed": int(params["seed"]),
             "residual_bits": int(params.get("residual_bits") or 0),
-            "keep_embeddings": bool(params["keep_embeddings"])}
+            "keep_embeddings": bool(params["keep_embeddings"]), "kmeans": params["kmeans"]}
         _check_plaid_params(resolved, n_tokens, dim)
         return resolved
+
+    @classmethod
+    def resolve_machine_params(cls, params: dict[str, Any], *, device: torch.device, use_gpu: bool = False,
+                               gpu_device: int = 0) -> dict[str, Any]:
+        """``kmeans`` resolved for a build on ``device`` (:func:`~hil.retrieval.kmeans.kmeans_engine`): ``faiss``
+        or ``torch``, what ``index.json`` records."""
+        engine = kmeans_engine(params["kmeans"], device, use_gpu=use_gpu, gpu_device=gpu_device)
+        return dict(params, kmeans=engine.name)
 
     @classmethod
     def factory(cls, params: dict[str, Any]) -> str:
@@ -84,9 +94,12 @@ class PlaidBackend(SearchBackend):
 
     @classmethod
     def build_head(cls, directory: Path, head: str, vectors: TokenTable, params: dict[str, Any], *,
-                   use_gpu: bool = False, gpu_device: int = 0) -> ResidualCodec | None:
+                   use_gpu: bool = False, gpu_device: int = 0,
+                   device: torch.device | None = None) -> ResidualCodec | None:
         """Centroids, codes and inverted file of one head (and residual codes when asked); -> the codec or None.
-        ``use_gpu``: k-means and the assignment of every token on faiss-gpu (``gpu_device`` for the assignment).
+        k-means and the assignment of every token run on the engine ``params["kmeans"]`` names for a build on
+        ``device`` (the encoder's; :func:`~hil.retrieval.kmeans.kmeans_engine`: torch there, or FAISS, on the GPU
+        ``use_gpu`` / ``gpu_device`` name where faiss-gpu sees it).
 
         With ``keep_embeddings=False`` the fp16 file is removed last, once the compressed vectors are in place.
         """
@@ -94,12 +107,14 @@ class PlaidBackend(SearchBackend):
             raise UserError(f"{directory}: head {head!r} is stored compressed only; new centroids would need "
                              "the original vectors: build the index again (build_index(..., overwrite=True))")
         paths = plaid_paths(directory, head)
+        engine = kmeans_engine(params.get("kmeans", "faiss"), device if device is not None else "cpu",
+                               use_gpu=use_gpu, gpu_device=gpu_device)
         centroids = train_centroids(vectors, params["n_centroids"], train_size=params["train_size"],
-                                    niter=params["niter"], seed=params["seed"], gpu=use_gpu)
+                                    niter=params["niter"], seed=params["seed"], engine=engine)
         with atomic_output(paths["codes"]) as tmp:
             codes = np.lib.format.open_memmap(tmp, mode="w+", dtype=code_dtype(len(centroids)),
                                               shape=(vectors.shape[0],))
-            assign_codes(vectors, centroids, out=codes, gpu_device=gpu_device if use_gpu else None)
+            assign_codes(vectors, centroids, out=codes, engine=engine)
             codes.flush()
             del codes
         codes = np.load(paths["codes"], mmap_mode="r")
@@ -133,24 +148,28 @@ class PlaidBackend(SearchBackend):
                                       load_npy(paths["ivf_docs"]), self.index.doc_offsets)
         return cache[key]
 
-    def candidates(self, queries: EncodedBatch, heads: Sequence[str]) -> list[Candidates]:
+    def _check_resolved(self) -> None:
         if not self.search.resolved:
             raise ValueError("PLAID's default nprobe / ndocs / stage2_docs depend on the ranking depth: open the "
                              "back-end with depth=k, or give all three (PlaidSearchConfig.for_depth)")
-        return [self._query_candidates(queries, row, heads) for row in range(len(queries))]
 
-    def _query_candidates(self, queries: EncodedBatch, row: int, heads: Sequence[str]) -> Candidates:
-        mask = queries.mask[row].bool()
+    def candidates(self, queries: EncodedBatch, heads: Sequence[str]) -> list[Candidates]:
+        """:meth:`candidate_pairs` as per-query host arrays."""
+        return self.candidate_pairs(queries, heads).per_query(len(queries))
+
+    def candidate_pairs(self, queries: EncodedBatch, heads: Sequence[str]) -> CandidatePairs:
+        """Every query of the batch searched at once on the device (:func:`~hil.retrieval.plaid_search.plaid_pairs`:
+        one query is the batch of one, and a query's candidates do not depend on its batch), per head, then the
+        union over heads."""
+        self._check_resolved()
         per_head = []
         for head in heads:
-            vectors = queries.heads[head][row][mask]  # (Lq', D) scored query tokens, on the encoder's device
-            docs, _, _ = plaid_candidates(self.plan(head), vectors, nprobe=self.search.nprobe,
-                                          ndocs=self.search.ndocs, stage2_docs=self.search.stage2_docs,
-                                          device=self.search_device(vectors))
-            per_head.append(docs.cpu().numpy())  # the one copy back: at most ndocs document numbers
-        union = np.unique(np.concatenate(per_head)) if per_head else np.zeros(0, dtype=np.int64)
-        flags = np.stack([np.isin(union, docs, assume_unique=True) for docs in per_head], axis=1)  # (U, H)
-        return Candidates(union, flags)
+            vectors = queries.heads[head]  # (B, Lq, D); the tokens outside ``mask`` take no part
+            query, docs, _, _ = plaid_pairs(self.plan(head), vectors, queries.mask, nprobe=self.search.nprobe,
+                                            ndocs=self.search.ndocs, stage2_docs=self.search.stage2_docs,
+                                            device=self.search_device(vectors))
+            per_head.append((query, docs))
+        return CandidatePairs.union(per_head, self.index.n_docs)
 
     def search_device(self, queries: torch.Tensor) -> torch.device:
         """Where the stages run: the back-end's ``device`` when it was opened with one, else where the query
@@ -158,7 +177,7 @@ class PlaidBackend(SearchBackend):
         return self.device if self.device is not None else queries.device
 
     def search_stats(self) -> dict[str, Any]:
-        """The three stages' settings as passed to :func:`~hil.retrieval.plaid.plaid_candidates` (it clips
+        """The three stages' settings as passed to :func:`~hil.retrieval.plaid_search.plaid_pairs` (it clips
         ``nprobe`` to the number of centroids: recorded as clipped)."""
         stats = super().search_stats()
         n_centroids = min((len(plan.centroids) for key, plan in self.index.search_structures.items()

@@ -26,6 +26,9 @@ from typing import Any, ClassVar, Mapping
 
 from hil.data.errors import UserError
 
+# PlaidIndexConfig.kmeans: which k-means builds PLAID's centroids (hil.retrieval.kmeans.kmeans_engine)
+KMEANS_CHOICES = ("auto", "faiss", "torch")
+
 
 def _at_least(owner: object, name: str, value: int | None, low: int = 1) -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
@@ -112,7 +115,14 @@ class PlaidIndexConfig(IndexConfig):
     """``plaid``: PLAID / ColBERTv2 centroids (default ``2**floor(log2(16 sqrt(n_tokens)))``), k-means on
     ``train_size`` sampled tokens (default ``min(n_tokens, 32 n_centroids)``) for ``niter`` iterations (ColBERTv2's
     4), ``seed``; ``residual_bits`` (0 = none; 1, 2, 4 or 8) adds ColBERTv2 residual codes, and
-    ``keep_embeddings=False`` (only with residuals) drops the fp16 vectors."""
+    ``keep_embeddings=False`` (only with residuals) drops the fp16 vectors.
+
+    ``kmeans`` is which k-means (and nearest-centroid assignment) builds the centroids: ``faiss`` (FAISS, on the
+    GPU where faiss-gpu sees it), ``torch`` (:mod:`hil.retrieval.kmeans`, on the build's GPU, else the CPU), or
+    ``auto`` (default: faiss-gpu where it sees the GPU, else torch on a GPU build, else FAISS on the CPU:
+    :func:`~hil.retrieval.kmeans.kmeans_engine`). ``index.json`` records the one that ran; ``auto`` accepts an index
+    built by either (an index moved to another machine is not rebuilt because ``auto`` chooses otherwise there),
+    an explicit name only an index built by that one."""
 
     kind: ClassVar[str] = "plaid"
     n_centroids: int | None = None
@@ -121,12 +131,16 @@ class PlaidIndexConfig(IndexConfig):
     seed: int = 0
     residual_bits: int = 0
     keep_embeddings: bool = True
+    kmeans: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("n_centroids", "train_size", "niter"):
             _at_least(self, name, getattr(self, name))
         _at_least(self, "seed", self.seed, low=0)
         _at_least(self, "residual_bits", self.residual_bits, low=0)
+        if self.kmeans not in KMEANS_CHOICES:
+            raise UserError(f"PlaidIndexConfig.kmeans must be one of {', '.join(KMEANS_CHOICES)} "
+                             f"(got {self.kmeans!r})")
 
 
 # -- search time ------------------------------------------------------------------------------------------------

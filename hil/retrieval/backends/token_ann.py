@@ -32,8 +32,11 @@ from hil.retrieval.backends.base import Candidates, SearchBackend
 from hil.retrieval.backends.configs import (FlatIndexConfig, FlatSearchConfig, IndexConfig, IvfFlatIndexConfig,
                                             IvfPqIndexConfig, IvfSearchConfig)
 from hil.retrieval.codec import ResidualCodec
+from hil.retrieval.device_tokens import device_tokens
+from hil.retrieval.devices import faiss_gpu_count
 from hil.retrieval.integrity import NonFiniteError, check_finite_vectors, rebuild_hint
 from hil.retrieval.store import TokenTable
+from hil.retrieval.torch_flat import TorchFlatSearch
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +130,7 @@ class TokenAnnBackend(SearchBackend):
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._used_nprobe: dict[str, int | None] = {}  # head -> nprobe its FAISS index searched with
+        self._search_device: torch.device | None = None  # where the last batch's queries were
 
     @property
     def ncandidates(self) -> int:
@@ -143,18 +147,20 @@ class TokenAnnBackend(SearchBackend):
         return stats
 
     @abstractmethod
-    def _open_faiss(self, head: str) -> Any:
-        """The FAISS index of ``head`` for this search's device (loaded or rebuilt)."""
+    def _open_faiss(self, head: str, device: torch.device | None = None) -> Any:
+        """The FAISS index of ``head`` for this search's device (loaded or rebuilt); ``device``: where the queries
+        are (a back-end may search there without FAISS: ``flat`` on an accelerator)."""
 
-    def faiss_index(self, head: str) -> Any:
+    def faiss_index(self, head: str, device: torch.device | None = None) -> Any:
         """The FAISS index of ``head``, loaded (or, for ``flat``, rebuilt from the embeddings) on first use and kept
         with the opened index; this search's ``nprobe`` is set on it every time (the cached object is shared by
         every search of the opened index, each with its own settings)."""
         self.index.require_head(head)
-        key = ("faiss", head, self.use_gpu and self.gpu_device)
+        on_accelerator = device is not None and device.type != "cpu"
+        key = ("faiss", head, self.use_gpu and self.gpu_device, str(device) if on_accelerator else None)
         cache = self.index.search_structures
         if key not in cache:
-            cache[key] = self._open_faiss(head)
+            cache[key] = self._open_faiss(head, device)
         if isinstance(self.search, IvfSearchConfig):
             set_nprobe(cache[key], self.search.nprobe)
         return cache[key]
@@ -187,6 +193,7 @@ class TokenAnnBackend(SearchBackend):
         return index
 
     def candidates(self, queries: EncodedBatch, heads: Sequence[str]) -> list[Candidates]:
+        self._search_device = self.device if self.device is not None else queries.mask.device
         mask = queries.mask.bool()
         token_rows = np.nonzero(mask.cpu().numpy())[0].astype(np.int64)  # query row of each scored token
         union, flags, approx = self._union_over_heads(queries, mask, token_rows, heads)
@@ -209,7 +216,7 @@ class TokenAnnBackend(SearchBackend):
         head_keys, approx_keys, approx_values = [], [], []
         for head in heads:
             vectors = np.ascontiguousarray(queries.heads[head][mask].float().cpu().numpy())  # (T, D)
-            faiss_index = self.faiss_index(head)
+            faiss_index = self.faiss_index(head, self._search_device)
             keys, row_keys, best = head_hits(faiss_index, vectors, token_rows, self.index.token_doc,
                                              n_docs, self.ncandidates, want_approx,
                                              where=f"{self.index.directory} (head {head})")
@@ -243,8 +250,15 @@ class FlatBackend(TokenAnnBackend):
     def factory(cls, params: dict[str, Any]) -> str:
         return "Flat"
 
-    def _open_faiss(self, head: str) -> Any:
+    def _open_faiss(self, head: str, device: torch.device | None = None) -> Any:
+        """FAISS's flat index on the CPU or faiss-gpu; for queries on an accelerator where FAISS is not on the GPU
+        (faiss-cpu, the usual case with CUDA 13 torch), the same search in torch on that device when its table fits
+        there (:class:`~hil.retrieval.torch_flat.TorchFlatSearch`)."""
         directory = self.index.directory
+        if device is not None and device.type != "cpu" and not (self.use_gpu and faiss_gpu_count()):
+            where, table = device_tokens(self.index, device).table(head)
+            if where == "device":
+                return TorchFlatSearch(table, where=f"{directory} (head {head})")
         return self.new_faiss_index(self.index.embeddings[head], {}, use_gpu=self.use_gpu,
                                     gpu_device=self.gpu_device,
                                     what=f"{directory}: the stored vectors of head {head}",
@@ -281,7 +295,8 @@ class IvfBackend(TokenAnnBackend):
 
     @classmethod
     def build_head(cls, directory: Path, head: str, vectors: TokenTable, params: dict[str, Any], *,
-                   use_gpu: bool = False, gpu_device: int = 0) -> ResidualCodec | None:
+                   use_gpu: bool = False, gpu_device: int = 0,
+                   device: torch.device | None = None) -> ResidualCodec | None:
         import faiss
 
         index = cls.new_faiss_index(vectors, params, use_gpu=use_gpu, gpu_device=gpu_device,
@@ -294,7 +309,7 @@ class IvfBackend(TokenAnnBackend):
             faiss.write_index(index, str(tmp))
         return None
 
-    def _open_faiss(self, head: str) -> Any:
+    def _open_faiss(self, head: str, device: torch.device | None = None) -> Any:
         import faiss
 
         (path,) = self.head_files(self.index.directory, head)
