@@ -33,7 +33,7 @@ from hil.retrieval.builder import open_or_build_index
 from hil.retrieval.devices import resolve_device
 from hil.retrieval.encoding import eval_mode
 from hil.retrieval.index import TokenIndex
-from hil.retrieval.search import full_rank
+from hil.retrieval.full_ranking import full_rank
 
 Embeddings = list[Tensor] | list[dict[str, Tensor]]
 __all__ = ["load_model", "encode_queries", "encode_documents", "score", "build_index", "open_index", "search",
@@ -126,7 +126,7 @@ def open_index(directory: str | Path, verify: str = "auto") -> TokenIndex:
 def search(model: Encoder, index: TokenIndex, queries: Mapping[str, str], *, k: int = 10,
            **settings: Any) -> dict[str, dict[str, float]]:
     """Full ranking: each query's ``k`` best documents of the index, ``{qid: {doc_id: score}}`` (settings:
-    ``hil.retrieval.search.full_rank``'s ``ncandidates``, ``batch_size``, ``progress``...)."""
+    ``hil.retrieval.full_ranking.full_rank``'s ``ncandidates``, ``batch_size``, ``progress``...)."""
     settings.setdefault("progress", False)
     return full_rank(model, index, dict(queries), k=k, **settings).run
 

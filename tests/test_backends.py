@@ -16,7 +16,7 @@ from hil.retrieval.backends.configs import (INDEX_CONFIGS, SEARCH_CONFIGS, IvfFl
 from hil.retrieval.backends.registry import BACKEND_KINDS, BACKENDS, backend_class, open_backend
 from hil.retrieval.builder import build_index, rebuild_search_structures
 from hil.retrieval.encoding import eval_mode
-from hil.retrieval.search import full_rank
+from hil.retrieval.full_ranking import full_rank
 
 from toys import QUERIES, TwoHeadEncoder, make_encoder, toy_corpus  # noqa: E402
 

@@ -87,7 +87,8 @@ def test_plan_of_every_section(bench):
     labels = [job.label for job in bench.plan(cfg)]
     assert labels == ["peak", "encode", "index:flat", "index:plaid", "search:bm25", "search:exact", "search:plaid",
                       "search:v1", "search:export-exact", "search:export-plaid", "train:colbert:a",
-                      "train:colbert:c", "growth:x1", "growth:x4", "peer", "memory:chunk8"]
+                      "train:colbert:c", "growth:x1", "growth:x4", "peer", "memory:chunk8", "batched:plaid",
+                      "batched:flat"]
     jobs = {job.label: job for job in bench.plan(cfg)}
     assert (jobs["train:colbert:c"].train_model, jobs["growth:x4"].factor, jobs["memory:chunk8"].chunk) == \
         ("b/c", 4, 8)

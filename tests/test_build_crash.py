@@ -27,7 +27,7 @@ from hil.retrieval import chunks
 from hil.retrieval.builder import build_index
 from hil.retrieval.chunks import KILL_AT_ENV
 from hil.retrieval.index import INDEX_JSON, TokenIndex
-from hil.retrieval.search import full_rank
+from hil.retrieval.full_ranking import full_rank
 
 from toys import assert_same_index
 

@@ -76,7 +76,7 @@ def test_faiss_stays_on_the_cpu_without_faiss_gpu(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="hil.retrieval.devices"):
         assert faiss_gpu_for(torch.device("cuda", 0)) is None
         assert faiss_gpu_for(torch.device("cuda", 0)) is None
-    assert sum("searched on the CPU" in r.getMessage() for r in caplog.records) == 1  # said once
+    assert sum("searched by FAISS on the CPU" in r.getMessage() for r in caplog.records) == 1  # said once
     monkeypatch.setattr(devices, "faiss_gpu_count", lambda: 2)
     assert faiss_gpu_for(torch.device("cuda", 1)) == 1  # the encoder's GPU, not always GPU 0
     assert faiss_gpu_for(torch.device("cuda", 2)) is None

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hil.retrieval.codec import CompressedEmbeddings, ResidualCodec, fit_residual_codec
-from hil.retrieval.plaid import (CentroidPlan, assign_codes, build_ivf, cell_scores, centroid_interaction,
-                                 default_n_centroids, plaid_candidates, probe_cells, top_by_score, train_centroids)
+from hil.retrieval.plaid import CentroidPlan, assign_codes, build_ivf, default_n_centroids, train_centroids
+from hil.retrieval.plaid_search import cell_scores, centroid_interaction, plaid_candidates, probe_cells, top_by_score
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -21,10 +21,11 @@ from hil.modeling.scoring import masked_max
 from hil.retrieval.backends.configs import PlaidIndexConfig, PlaidSearchConfig
 from hil.retrieval.builder import build_index
 from hil.retrieval.codec import CompressedEmbeddings, fit_residual_codec
-from hil.retrieval import plaid as plaid_module
-from hil.retrieval.plaid import (CentroidPlan, assign_codes, build_ivf, centroid_interaction, plaid_candidates,
-                                 top_by_score)
-from hil.retrieval.search import exact_rank, full_rank
+from hil.retrieval import plaid_search as plaid_module
+from hil.retrieval.plaid import CentroidPlan, assign_codes, build_ivf
+from hil.retrieval.plaid_search import centroid_interaction, plaid_candidates, plaid_pairs, top_by_score
+from hil.retrieval.search import exact_rank
+from hil.retrieval.full_ranking import full_rank
 from hil.retrieval.store import length_blocks, padded_rows
 
 from toys import QUERIES, TwoHeadEncoder, make_encoder, toy_corpus  # noqa: E402
@@ -48,7 +49,18 @@ def random_plan(n_docs: int, dim: int, n_centroids: int, max_len: int, seed: int
     return CentroidPlan(centroids, codes, ivf_offsets, ivf_docs, offsets)
 
 
-# -- the numpy implementation before issue 24 (commit 5a2686c), kept verbatim as the regression oracle -----------
+# -- the numpy implementation before issue 24 (commit 5a2686c), kept as the regression oracle -----------------------
+# One change: its sums over query tokens add one token at a time (issue 29 made them sequential, so that a query's
+# numbers do not depend on the batch it is searched in: hil.retrieval.plaid_search.token_sum).
+
+def sequential_sum(values: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sum over ``dim`` in index order, one slice at a time (a loop, the obvious way)."""
+    slices = values.unbind(dim)
+    total = slices[0].clone()
+    for part in slices[1:]:
+        total = total + part
+    return total
+
 
 def before_cell_scores(plan, centroid_scores, cells):
     n_tokens_q, nprobe = cells.shape
@@ -66,7 +78,7 @@ def before_cell_scores(plan, centroid_scores, cells):
     best.scatter_reduce_(0, torch.from_numpy(entry_token * len(docs) + doc_of_entry),
                          torch.from_numpy(entry_score.astype(np.float32)), reduce="amax")
     best = best.view(n_tokens_q, len(docs))
-    bound = torch.where(torch.isinf(best), torch.zeros_like(best), best).sum(dim=0)
+    bound = sequential_sum(torch.where(torch.isinf(best), torch.zeros_like(best), best), dim=0)
     return docs.astype(np.int64), bound.numpy()
 
 
@@ -84,7 +96,7 @@ def before_centroid_interaction(plan, centroid_scores, docs, block_elements=1 <<
         block = order[start:end]
         rows, mask = padded_rows(plan.doc_offsets, docs[block])
         sims = table[codes[rows]].transpose(1, 2)
-        out[block] = masked_max(sims, mask[:, None, :]).sum(dim=1).numpy()
+        out[block] = sequential_sum(masked_max(sims, mask[:, None, :]), dim=1).numpy()
     return out
 
 
@@ -317,9 +329,9 @@ def test_full_rank_passes_its_device_to_the_stages(indexes, monkeypatch):
 
     def recording(*args, **kwargs):
         seen.append(kwargs["device"])
-        return plaid_candidates(*args, **kwargs)
+        return plaid_pairs(*args, **kwargs)
 
-    monkeypatch.setattr(centroid, "plaid_candidates", recording)
+    monkeypatch.setattr(centroid, "plaid_pairs", recording)
     search = PlaidSearchConfig(nprobe=2, ndocs=5, stage2_docs=20)
     default = full_rank(encoder, plain, {"q1": QUERIES["q1"]}, k=5, search=search, progress=False)
     assert seen == [encoder.device] * 2  # both heads, on the encoder's device
@@ -342,9 +354,9 @@ def test_an_opened_backend_searches_on_its_device(indexes, monkeypatch):
 
     def recording(*args, **kwargs):
         seen.append(kwargs["device"])
-        return plaid_candidates(*args, **{**kwargs, "device": CPU})
+        return plaid_pairs(*args, **{**kwargs, "device": CPU})
 
-    monkeypatch.setattr(centroid, "plaid_candidates", recording)
+    monkeypatch.setattr(centroid, "plaid_pairs", recording)
     with eval_mode(encoder):
         queries = encoder.encode_queries([QUERIES["q1"]])
     open_backend(plain, device=torch.device("meta"), depth=5).candidates(queries, ("a", "b"))

@@ -147,7 +147,7 @@ def judged_queries(dataset: Any, limit: int | None) -> dict[str, str]:
 def latencies(encoder: Any, index: Any, queries: dict[str, str], k: int, **options: Any
               ) -> tuple[dict[str, dict[str, float]], list[float], dict[str, Any]]:
     """Full ranking one query at a time (query encoding included): the run and each query's milliseconds."""
-    from hil.retrieval.search import full_rank
+    from hil.retrieval.full_ranking import full_rank
 
     run, times, last = {}, [], {}
     first = next(iter(queries))

@@ -12,6 +12,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from sections import batched as batched_section
 from sections import encode as encode_section
 from sections import growth as growth_section
 from sections import index as index_section
@@ -26,7 +27,7 @@ from sections.options import SECTIONS, CommonConfig, RunConfig, add_options, fro
 SECTION_MODULES: dict[str, ModuleType] = {
     "peak": peak_section, "encode": encode_section, "index": index_section, "search": search_section,
     "train": train_section, "growth": growth_section, "peer": peer_section,
-    "peer-search": peer_search_section, "memory": memory_section}
+    "peer-search": peer_search_section, "memory": memory_section, "batched": batched_section}
 assert tuple(SECTION_MODULES) == SECTIONS
 
 
@@ -45,6 +46,7 @@ class BenchConfig:
     peer: peer_section.Config = field(default_factory=peer_section.Config)
     peer_search: peer_search_section.Config = field(default_factory=peer_search_section.Config)
     memory: memory_section.Config = field(default_factory=memory_section.Config)
+    batched: batched_section.Config = field(default_factory=batched_section.Config)
 
     def record(self) -> dict[str, Any]:
         """The settings written into the results JSON (every option, by section)."""
@@ -76,7 +78,8 @@ def quick(config: BenchConfig) -> BenchConfig:
         search=replace(config.search, v1_queries=min(config.search.v1_queries, 5)),
         train=replace(config.train, steps=1, models=("bert-tiny-splade",)),
         growth=replace(config.growth, factors=()),
-        memory=replace(config.memory, chunks=(64, 256), docs=256))
+        memory=replace(config.memory, chunks=(64, 256), docs=256),
+        batched=replace(config.batched, ks=(10,), rounds=1))
 
 
 def make_config(args: argparse.Namespace) -> BenchConfig:

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 BENCH = Path(__file__).resolve().parents[1]  # the bench/ folder
-SECTIONS = ("peak", "encode", "index", "search", "train", "growth", "peer", "peer-search", "memory")  # run order
+SECTIONS = ("peak", "encode", "index", "search", "train", "growth", "peer", "peer-search", "memory",
+            "batched")  # run order
 # Run only when named in --sections: peer-search builds PyLate's own indexes over the whole corpus in another Python.
 DEFAULT_SECTIONS = tuple(section for section in SECTIONS if section != "peer-search")
 

@@ -167,7 +167,7 @@ def pylate_model(encoder: Any, folder: Path) -> Path:
 
 def run(config: BenchConfig, job: Job) -> dict[str, Any]:
     from hil.retrieval.index import encoder_fingerprint
-    from hil.retrieval.search import full_rank
+    from hil.retrieval.full_ranking import full_rank
     from measure import peak_rss_mb
     from peer_search_pylate import time_one_at_a_time
 

@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the index's search back-end (--faiss: the name before 0.2)")
     parser.add_argument("--backend-params", dest="backend_params", type=json.loads, default=None,
                         help='its build-time and search-time settings as JSON, e.g. \'{"ndocs": 512}\' for plaid')
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="documents per encoding batch (default: 32 on a CPU, 128 on a GPU)")
     parser.add_argument("--dim", type=int, default=None,
                         help="head size for an untrained backbone (default 128); a trained model keeps its own")
     parser.add_argument("--query-maxlen", type=int, default=None)

@@ -80,7 +80,7 @@ class AnalysisConfig:
     ncandidates: int | None = None
     backend: str = "flat"  # hil.retrieval.backends.configs.BACKEND_KINDS (flat, ivfflat, ivfpq, plaid)
     backend_params: dict[str, Any] | None = None  # its build-time and search-time settings (configs_from_params)
-    batch_size: int = 32
+    batch_size: int | None = None  # documents per encoding batch (None: by device, EvaluationSettings)
     dim: int | None = None  # an untrained head's size (None: 128); a trained model keeps its own
     query_maxlen: int | None = None
     doc_maxlen: int | None = None

@@ -57,7 +57,8 @@ from hil.retrieval.fast_encode import DOCUMENT_ENCODINGS
 
 PROG = "evaluate.py"
 # Integer options that must be >= 1 when given (checked by ``check_arguments``, named in the message).
-POSITIVE_OPTIONS = ("k", "ncandidates", "rerank_depth", "relevance_level", "processes", "batch_size", "threads",
+POSITIVE_OPTIONS = ("k", "ncandidates", "rerank_depth", "relevance_level", "processes", "batch_size",
+                    "query_batch_size", "threads",
                     "max_queries", "max_docs", "dim", "query_maxlen", "doc_maxlen", "transform_max_tokens",
                     "bootstrap_samples")
 
@@ -124,9 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "matrix products, ~2x PyLate's speed on a CPU (bench/README has its nDCG@10 cost); "
                              "onnx = the same runtime in fp32; int8 = PyTorch SmoothQuant int8; "
                              "compile = torch.compile")
-    parser.add_argument("--tokenizer-workers", type=int, default=0,
+    parser.add_argument("--tokenizer-workers", type=int, default=None,
                         help="DataLoader workers that tokenize the corpus ahead of the encoder (keeps a GPU busy; "
-                             "the index is the same)")
+                             "the index is the same; default: 0 on a CPU, 2 on a GPU)")
     parser.add_argument("--encode-queries", choices=("fp32", "onnx"), default="fp32",
                         help="full ranking on a CPU: onnx encodes the queries through ONNX Runtime's fused fp32 graph "
                              "(the same vectors to float rounding, ~1.6x faster per query here)")
@@ -144,7 +145,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="FAISS search on the GPU (default: on the model's GPU when faiss-gpu is installed)")
     parser.add_argument("--index-root", default="indexes")
     parser.add_argument("--output", default=None, help="results folder (default results/<dataset>/<model>)")
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="documents per encoding batch (default: 32 on a CPU, 128 on a GPU)")
+    parser.add_argument("--query-batch-size", type=int, default=None,
+                        help="queries encoded and, in full ranking, searched together (default: 64 on a CPU, 1024 on "
+                             "a GPU)")
+    parser.add_argument("--per-query-search", action="store_true",
+                        help="full ranking one query at a time (the same rankings as batched; for latency)")
     parser.add_argument("--threads", type=int, default=None, help="torch/FAISS threads")
     parser.add_argument("--max-queries", type=int, default=None, help="evaluate a slice (sampled with --seed)")
     parser.add_argument("--max-docs", type=int, default=None, help="corpus slice: judged docs + sampled others")
@@ -183,7 +190,8 @@ def settings_from(args: argparse.Namespace) -> EvaluationSettings:
     return EvaluationSettings(
         mode="full" if args.mode == "bm25" else args.mode, k=args.k, drop_self_matches=not args.keep_self_matches,
         index_root=args.index_root, backend=backend, search=search,
-        rerank_depth=args.rerank_depth or 100, batch_size=args.batch_size,
+        rerank_depth=args.rerank_depth or 100, batch_size=args.batch_size, query_batch_size=args.query_batch_size,
+        batched_search=not args.per_query_search,
         document_encoding=None if args.encode_documents == "fp32" else args.encode_documents,
         query_encoding=None if args.encode_queries == "fp32" else args.encode_queries,
         progress=not args.quiet, device=args.device, precision=args.precision, processes=args.processes,

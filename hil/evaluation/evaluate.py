@@ -41,11 +41,19 @@ from hil.retrieval.encoding import encode_document_tokens, eval_mode
 from hil.retrieval.index import TokenIndex, encoder_fingerprint
 from hil.retrieval.integrity import check_verify
 from hil.retrieval.onnx_encode import QUERY_ENCODINGS, onnx_query_encoder
-from hil.retrieval.search import SearchResult, exact_rank, exhaustive_scores, full_rank, rank_matrix, rerank
+from hil.retrieval.search import SearchResult, exact_rank, exhaustive_scores, rank_matrix, rerank
+from hil.retrieval.full_ranking import full_rank
 from hil.retrieval.store import TokenStore
 
 MODES = ("full", "rerank", "exhaustive")
 Run = dict[str, dict[str, float]]
+
+
+# The sizes EvaluationSettings leaves None, by device: a CPU's (the values measured in bench/README.md), and an
+# accelerator's, where the encoder and the batched search need large batches and tokenization must run ahead.
+DEVICE_DEFAULTS: dict[str, dict[str, int]] = {
+    "cpu": {"batch_size": 32, "query_batch_size": 64, "tokenizer_workers": 0},
+    "accelerator": {"batch_size": 128, "query_batch_size": 1024, "tokenizer_workers": 2}}
 
 
 @dataclass(frozen=True)
@@ -70,7 +78,12 @@ class EvaluationSettings:
             and search-time settings, and the token neighbours per query token; folded into ``backend`` and
             ``search`` at construction (then None).
         rerank_depth: candidates per query kept from a first stage (``first_stage``).
-        batch_size, query_batch_size: documents / queries per encoding batch.
+        batch_size, query_batch_size: documents / queries per encoding batch; full ranking also searches each batch
+            of queries together. None: by device (:data:`DEVICE_DEFAULTS`: 32 / 64 on a CPU, 128 / 1024 on a GPU,
+            where small batches leave it waiting).
+        batched_search: full ranking searches a batch of queries at once (candidates, exact scores and the top k on
+            the device; :mod:`hil.retrieval.full_ranking`); False: one query at a time (the same rankings, for
+            latency measurements). Not part of a result's identity: it changes the speed, not the numbers.
         document_encoding: encode the corpus through a cheaper encoder (``"onnx-int8"``, ...; queries keep the
             model), in an index folder of its own.
         query_encoding: full ranking on a CPU: encode the queries through ONNX Runtime (``"onnx"``: fused fp32,
@@ -87,7 +100,8 @@ class EvaluationSettings:
         processes: processes that encode the corpus (one per GPU, or CPU processes), through Lightning Fabric;
             the index is the same as a one-process build's.
         tokenizer_workers: DataLoader workers that tokenize the corpus's chunks ahead of the encoder (0: in the
-            encoding process); the index is the same whatever the number.
+            encoding process); the index is the same whatever the number. None: by device (0 on a CPU, whose cores
+            encode; 2 on a GPU, which would otherwise wait for the tokenizer).
         faiss_gpu: FAISS on the GPU (True), on the CPU (False), or on the encoder's GPU where faiss-gpu sees
             it (None).
         verify_index: how much of a reused index is checked against the sizes and checksums it recorded:
@@ -105,8 +119,9 @@ class EvaluationSettings:
     backend_params: Mapping[str, Any] | None = None
     ncandidates: int | None = None
     rerank_depth: int = 100
-    batch_size: int = 32
-    query_batch_size: int = 64
+    batch_size: int | None = None
+    query_batch_size: int | None = None
+    batched_search: bool = True
     document_encoding: str | None = None
     query_encoding: str | None = None
     keep_candidate_sources: bool = False
@@ -115,7 +130,7 @@ class EvaluationSettings:
     device: str = "auto"
     precision: str = "fp32"
     processes: int = 1
-    tokenizer_workers: int = 0
+    tokenizer_workers: int | None = None
     faiss_gpu: bool | None = None
     verify_index: str = "auto"
 
@@ -135,13 +150,19 @@ class EvaluationSettings:
             if self.mode != "full":
                 raise UserError("query_encoding is a full-ranking (search latency) setting; mode is "
                                 f"{self.mode!r}")
-        if self.tokenizer_workers < 0:
+        if self.tokenizer_workers is not None and self.tokenizer_workers < 0:
             raise UserError(f"tokenizer_workers must be >= 0 (got {self.tokenizer_workers})")
         for name in ("k", "rerank_depth", "batch_size", "query_batch_size", "processes", "ncandidates"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise UserError(f"{name} must be >= 1 (got {value})")
         self._fold_backend_settings()
+
+    def for_device(self, device: torch.device) -> "EvaluationSettings":
+        """These settings with the sizes left None set for ``device`` (:data:`DEVICE_DEFAULTS`): what runs, and what
+        the results record."""
+        defaults = DEVICE_DEFAULTS["cpu" if device.type == "cpu" else "accelerator"]
+        return replace(self, **{name: value for name, value in defaults.items() if getattr(self, name) is None})
 
     def _fold_backend_settings(self) -> None:
         """``backend`` as an IndexConfig and ``search`` as the matching SearchConfig, the deprecated
@@ -281,6 +302,7 @@ def faiss_on_gpu(settings: EvaluationSettings, device: torch.device) -> int | No
 def document_store(encoder: Encoder, dataset: BeirDataset, settings: EvaluationSettings) -> TokenStore:
     """The corpus as the model scores it: the index under ``settings.index_root`` (built or reused), or encoded
     in memory (fp16, as an index stores it) when that is None; on the encoder's device, in ``settings.precision``."""
+    settings = settings.for_device(encoder.device)
     if settings.index_root is None:
         with eval_mode(encoder), autocast(encoder.device, settings.precision):
             tokens = encode_document_tokens(encoder, dataset.documents(), batch_size=settings.batch_size)
@@ -299,6 +321,7 @@ def document_store(encoder: Encoder, dataset: BeirDataset, settings: EvaluationS
 
 def _search(encoder: Encoder, dataset: BeirDataset, store: TokenStore | None, settings: EvaluationSettings,
             candidates: dict[str, list[str]] | None) -> tuple[SearchResult, HeadScores | None]:
+    settings = settings.for_device(encoder.device)
     queries, k, progress, skip_self = dataset.queries, settings.k, settings.progress, settings.drop_self_matches
     if settings.mode == "full":
         if not isinstance(store, TokenIndex):
@@ -311,8 +334,8 @@ def _search(encoder: Encoder, dataset: BeirDataset, store: TokenStore | None, se
                                 f"{encoder.device}")
             options["query_encoder"] = onnx_query_encoder(encoder)
         result = full_rank(encoder, store, queries, k=k, search=settings.resolved_search, progress=progress,
-                           batch_size=settings.query_batch_size, keep_candidate_sources=settings.keep_candidate_sources,
-                           skip_self=skip_self, **options)
+                           batch_size=settings.query_batch_size, batched=settings.batched_search,
+                           keep_candidate_sources=settings.keep_candidate_sources, skip_self=skip_self, **options)
         if "query_encoder" in options:  # what encoded the queries, as it described itself
             result.stats["query_encoding"] = dict(options["query_encoder"].backbone.description)
         return result, None
@@ -345,6 +368,7 @@ def evaluate(encoder: Encoder, dataset: BeirDataset, settings: EvaluationSetting
     if settings.mode == "rerank" and candidates is None:
         raise UserError("mode='rerank' needs candidates (e.g. first_stage(evaluate_bm25(dataset), depth))")
     device = place_encoder(encoder, settings)
+    settings = settings.for_device(device)
     started = time.perf_counter()
     if store is None and not (settings.mode == "rerank" and settings.index_root is None):
         store = document_store(encoder, dataset, settings)
@@ -353,7 +377,10 @@ def evaluate(encoder: Encoder, dataset: BeirDataset, settings: EvaluationSetting
     result, head_scores = _search(encoder, dataset, store, settings, candidates)
     search_seconds = time.perf_counter() - started
     details: dict[str, Any] = {"mode": settings.mode, "device": str(device), "precision": settings.precision,
-                               "processes": settings.processes, "index_seconds": round(index_seconds, 3),
+                               "processes": settings.processes, "batch_size": settings.batch_size,
+                               "query_batch_size": settings.query_batch_size,
+                               "tokenizer_workers": settings.tokenizer_workers,
+                               "index_seconds": round(index_seconds, 3),
                                "search_seconds": round(search_seconds, 3), "search_stats": result.stats,
                                "sources": result.sources}
     if isinstance(store, TokenIndex):  # read back from the index: what the search structures were built with
@@ -380,6 +407,7 @@ def evaluate_transformed(encoder: Encoder, dataset: BeirDataset, spec: str,
 
     if settings.index_root is None:
         raise UserError("a post-hoc transform is fitted on an index's stored vectors: give index_root")
+    settings = settings.for_device(encoder.device)
     base = document_store(encoder, dataset, replace(settings, document_encoding=None))
     started = time.perf_counter()
     transformed = fit_transformed_encoder(encoder, spec, store=base, mode=transform_mode, max_tokens=max_tokens,

@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--backend-params", "--faiss-params", dest="backend_params", type=json.loads, default=None,
         help='its build-time and search-time settings as JSON, e.g. \'{"nlist": 1024, "nprobe": 16}\'')
     add("--index-root", default="indexes", help="where indexes live; 'none' encodes in memory (not with mode full)")
-    add("--batch-size", type=int, default=32, help="documents per encoding batch")
+    add("--batch-size", type=int, default=None, help="documents per encoding batch (default: 32 on a CPU, 128 on a GPU)")
     add("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     add("--precision", choices=PRECISIONS, default="fp32", help="the corpus encoding's autocast")
     add("--encode-queries", choices=("fp32", "onnx"), default="fp32",
@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
 def evaluation_settings(args: argparse.Namespace) -> EvaluationSettings:
     """The settings every model is evaluated with (a first-stage dataset overrides the mode)."""
     for option in ("k", "rerank_depth", "batch_size", "processes", "bootstrap_samples"):
-        if getattr(args, option) < 1:
+        if getattr(args, option) is not None and getattr(args, option) < 1:
             raise UserError(f"--{option.replace('_', '-')} must be >= 1 (got {getattr(args, option)})")
     for option in ("max_queries", "max_docs", "dim"):
         if getattr(args, option) is not None and getattr(args, option) < 1:

@@ -13,7 +13,7 @@ Steps. (1) The queries (``qid TAB text``, or a BEIR dataset's queries judged in 
 BEIR dataset a document whose id is the query's is never its candidate (BEIR's ``ignore_identical_ids``). (2) Each
 query's ``--depth`` best candidates from the miner: ``bm25`` (:mod:`hil.data.bm25`, Pyserini's settings) or any
 ``hil`` model, by exact late interaction over the whole collection held in memory, or through an index built under
-``--index-root`` (full ranking, :func:`hil.retrieval.search.full_rank`). (3) With ``--positives first`` (needs
+``--index-root`` (full ranking, :func:`hil.retrieval.full_ranking.full_rank`). (3) With ``--positives first`` (needs
 qrels: ``--qrels`` or the dataset's), each query's judged positive -- the highest grade >= ``--relevance-level``,
 then the best mined, then the smallest id -- joins the candidates when the miner missed it. (4) The teacher scores
 every candidate (:mod:`hil.experiments.teacher_models`: ``colbert`` for any model hil loads, ``cross-encoder``,
@@ -59,7 +59,8 @@ from hil.modeling.loading import load_encoder
 from hil.paths import resolve_data_file
 from hil.provenance import atomic_output, provenance
 from hil.retrieval.devices import resolve_device
-from hil.retrieval.search import exact_rank, full_rank
+from hil.retrieval.search import exact_rank
+from hil.retrieval.full_ranking import full_rank
 
 PROG = "python -m hil.experiments.teacher"
 FORMATS = ("colbert", "pylate", "trec")
