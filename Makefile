@@ -1,7 +1,7 @@
 # One command each: `make demo` (set up + train a small ColBERT on the MS MARCO sample + evaluate on SciFact),
 # `make test` (set up + the test suite), `make test-slow` (the slow checks), `make bench` (benchmarks),
-# `make gpu-check` (first thing on a GPU machine: GPU tests, DDP mixed-precision training, GPU evaluation and figures;
-# `make gpu-check DRY_RUN=1` runs the same steps small on the CPU).
+# `make gpu-check` (first thing on a GPU machine: mixed-precision training, GPU evaluation beside the CPU's, GPU tests,
+# planned to fit 240 s; `make gpu-check DRY_RUN=1` runs the same steps small on the CPU).
 PYTHON ?= python3
 VENV ?= .venv
 SHARED ?= $(abspath ../shared)

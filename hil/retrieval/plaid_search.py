@@ -179,8 +179,11 @@ def pair_centroid_interaction(tables: PlanTables, centroid_scores: torch.Tensor,
     if len(pair_doc) == 0 or len(tables.doc_codes) == 0:  # no stored token at all: every document scores 0
         return out
     n_queries, n_tokens_q, n_centroids = centroid_scores.shape
+    if n_queries * n_centroids >= 1 << 31:
+        raise ValueError(f"{n_queries} queries x {n_centroids} centroids: search fewer queries at once")
     # One row of Lq scores per (query, centroid), read by ``query * C + code``.
-    table = centroid_scores.transpose(1, 2).reshape(n_queries * n_centroids, n_tokens_q)
+    # contiguous: the rows are gathered whole (a (C, Lq) view of the scores' (Lq, C) layout is read strided: 3x slower)
+    table = centroid_scores.transpose(1, 2).contiguous().view(n_queries * n_centroids, n_tokens_q)
     offsets = tables.doc_code_offsets
     lengths = offsets[pair_doc + 1] - offsets[pair_doc]
     order = torch.argsort(lengths, stable=True)
@@ -189,8 +192,9 @@ def pair_centroid_interaction(tables: PlanTables, centroid_scores: torch.Tensor,
         picked = order[block]
         rows = _repeating_rows(offsets, pair_doc[picked], lengths[picked], width, last_row)
         # index_select, not advanced indexing: whole rows of Lq scores copied at once (several times faster on a CPU)
-        codes = tables.doc_codes.index_select(0, rows.reshape(-1)).long().view(len(picked), width)
-        codes += (pair_query[picked] * n_centroids)[:, None]
+        codes = tables.doc_codes.index_select(0, rows.reshape(-1)).view(len(picked), width)  # int32
+        if n_queries > 1:  # the row of (query, centroid); int32 arithmetic (B C < 2^31, checked above)
+            codes = codes + (pair_query[picked] * n_centroids).to(torch.int32)[:, None]
         sims = table.index_select(0, codes.reshape(-1)).view(len(picked), width, n_tokens_q)
         # No mask: a document's padding repeats its own last centroid, and a max is unchanged by a repeated element.
         # Only an empty document, whose padding is another document's centroid, is set to 0 afterwards (Eq. 1 with
