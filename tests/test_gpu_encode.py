@@ -135,6 +135,22 @@ def test_tokenized_chunk_batches_from_tensors_equal_those_from_arrays(hf_tokeniz
             assert torch.equal(getattr(a, field), getattr(b, field))
 
 
+def test_a_chunk_keeps_what_the_host_knows_about_padding(hf_tokenizer):
+    """Each batch's ``has_padding`` survives packing (so the backbone's mask needs no device read), and equals what
+    the attention mask shows; the same for GradCache's row chunks (an upper bound: the whole batch's)."""
+    from hil.modeling.gradcache import select_rows
+
+    encoder = make_encoder(hf_tokenizer)
+    _, texts = toy_corpus(30)
+    texts[:8] = ["cell protein gene"] * 8  # a first batch of equal lengths: no padding
+    sorted_batches = sorted_document_batches(encoder.tokenizer, texts, 8)
+    unpacked = TokenizedChunk.pack((0, 0, 30), sorted_batches).sorted_batches().batches
+    flags = [batch.has_padding for batch in unpacked]
+    assert flags == [bool((batch.attention_mask == 0).any()) for batch in unpacked]
+    assert flags == [batch.has_padding for batch in sorted_batches.batches] and True in flags and False in flags
+    assert [select_rows(batch, slice(0, 2)).has_padding for batch in unpacked] == flags
+
+
 # -- on a GPU (skipped here) --------------------------------------------------------------------------------------
 
 @pytest.mark.gpu

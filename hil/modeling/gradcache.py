@@ -85,7 +85,10 @@ class Autocast:
 
 
 def select_rows(batch: TokenizedBatch, rows: slice) -> TokenizedBatch:
-    return TokenizedBatch(batch.input_ids[rows], batch.attention_mask[rows], batch.scoring_mask[rows])
+    """Rows of a batch. Its ``has_padding`` is the whole batch's, an upper bound that the host knows (asking the
+    rows themselves would read the device): a chunk without padding then gets an all-True mask, which attends alike."""
+    return TokenizedBatch(batch.input_ids[rows], batch.attention_mask[rows], batch.scoring_mask[rows],
+                          has_padding=batch.has_padding)
 
 
 def concat(parts: list[EncodedBatch]) -> EncodedBatch:

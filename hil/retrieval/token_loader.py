@@ -58,6 +58,8 @@ class TokenizedChunk:
     input_ids: np.ndarray | torch.Tensor       # (sum of B * L,) int64
     attention_mask: np.ndarray | torch.Tensor  # (sum of B * L,) int64
     scoring_mask: np.ndarray | torch.Tensor    # (sum of B * L,) bool
+    # (n_batches,) bool: whether each batch holds padding (known on the host: the backbone's mask needs no device read)
+    padded: np.ndarray | None = None
 
     @classmethod
     def pack(cls, chunk: ChunkRange, tokenized: SortedBatches) -> "TokenizedChunk":
@@ -68,8 +70,11 @@ class TokenizedChunk:
             parts = [getattr(batch, field).numpy().reshape(-1) for batch in tokenized.batches]
             return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
 
+        padded = np.array([bool((batch.attention_mask == 0).any()) if batch.has_padding is None else batch.has_padding
+                           for batch in tokenized.batches], dtype=bool)
         return cls(number, start, end, np.asarray(tokenized.order, dtype=np.int64), shapes.reshape(-1, 2),
-                   flat("input_ids", np.int64), flat("attention_mask", np.int64), flat("scoring_mask", np.bool_))
+                   flat("input_ids", np.int64), flat("attention_mask", np.int64), flat("scoring_mask", np.bool_),
+                   padded)
 
     def pin_memory(self) -> "TokenizedChunk":
         """The chunk with its token arrays copied into pinned memory (what ``DataLoader(pin_memory=True)`` calls on
@@ -80,10 +85,12 @@ class TokenizedChunk:
     def sorted_batches(self) -> SortedBatches:
         """The batches as tensors (views of the flat arrays, pinned ones included), in encoding order."""
         batches, cursor = [], 0
-        for rows, width in self.shapes.tolist():
+        padded = self.padded.tolist() if self.padded is not None else [None] * len(self.shapes)
+        for (rows, width), has_padding in zip(self.shapes.tolist(), padded):
             cut = slice(cursor, cursor + rows * width)
             batches.append(TokenizedBatch(*(torch.as_tensor(array[cut]).reshape(rows, width)
-                                            for array in (self.input_ids, self.attention_mask, self.scoring_mask))))
+                                            for array in (self.input_ids, self.attention_mask, self.scoring_mask)),
+                                          has_padding=has_padding))
             cursor += rows * width
         return SortedBatches(self.order, batches)
 
