@@ -156,13 +156,15 @@ def test_probed_pairs_of_a_query_do_not_depend_on_its_batch(dense, nprobe):
         assert docs[mine].tolist() == sorted(reached), row
 
 
-@pytest.mark.parametrize("entry_budget", [1, 1 << 22], ids=["a group per query", "one group"])
+@pytest.mark.parametrize("entry_budget, table_bytes", [(1, 1 << 30), (1 << 22, 1 << 30), (1 << 22, 1)],
+                         ids=["a group per query", "one group", "a score table per query"])
 @pytest.mark.parametrize("dense_ratio", [0, 1 << 30], ids=["sorted", "dense"])
 @pytest.mark.parametrize("settings", [(1, 5, 20), (4, 3, 50), (8, 40, 160)])
-def test_plaid_pairs_equal_each_query_searched_alone(monkeypatch, entry_budget, dense_ratio, settings):
+def test_plaid_pairs_equal_each_query_searched_alone(monkeypatch, entry_budget, table_bytes, dense_ratio, settings):
     """B queries with holes in their token masks: every stage's result for a query is the one of that query alone
-    (its scored tokens only), bit for bit, however the batch is split into entry groups."""
+    (its scored tokens only), bit for bit, however the batch is split into entry groups or score tables."""
     monkeypatch.setattr(plaid_search, "_ENTRY_BUDGET", entry_budget)
+    monkeypatch.setattr(plaid_search, "SCORE_TABLE_BYTES", table_bytes)
     monkeypatch.setattr(plaid_search, "_DENSE_RATIO", dense_ratio)
     nprobe, ndocs, stage2 = settings
     plan = random_plan(300, 8, 12, 9, 4)

@@ -33,6 +33,12 @@ from hil.retrieval.store import device_length_blocks
 # Stage 2 scatters into a (Lq, B n_docs) table when it has at most this many cells per probed entry (see
 # probed_pairs); else it sorts the entries' (query, document) keys.
 _DENSE_RATIO = 16
+# Looked-up centroid scores per stage-3 block (N_b * Lmax * Lq fp32 values): 16 MiB on a CPU (cache-sized blocks), 512
+# MiB on an accelerator, where a batch's ~10^5-10^6 pairs would otherwise take hundreds of small blocks.
+STAGE3_BLOCK_ELEMENTS = {"cpu": 1 << 22}
+ACCELERATOR_STAGE3_BLOCK_ELEMENTS = 1 << 27
+# The (B, Lq, C) fp32 centroid scores of the queries searched together (MS MARCO's 2^18 centroids: 32 MiB a query).
+SCORE_TABLE_BYTES = 1 << 30
 # Probed (cell, document) entries handled at once: queries are split into groups under this bound, which bounds
 # stage 2's memory (~Lq * 4 bytes per entry for its table, 40 bytes per entry for the entry arrays).
 _ENTRY_BUDGET = 1 << 22
@@ -229,18 +235,36 @@ def plaid_pairs(plan: CentroidPlan, queries: torch.Tensor, valid: torch.Tensor, 
     probed-cells bound into stage 3.
 
     ``device`` (default: the queries') is where every stage runs and the results are; the plan's tables are uploaded
-    there once (:meth:`CentroidPlan.tables`). Queries are searched in groups whose probed entries fit
-    :data:`_ENTRY_BUDGET`, so memory is bounded whatever B.
+    there once (:meth:`CentroidPlan.tables`). Queries are searched in groups whose score tables fit
+    :data:`SCORE_TABLE_BYTES` and whose probed entries fit :data:`_ENTRY_BUDGET`, so memory is bounded whatever B.
     """
     device = canonical_device(device) if device is not None else queries.device
     tables = plan.tables(device)
     valid = valid.to(device=device, dtype=torch.bool)
+    n_queries, n_tokens_q, _ = queries.shape
+    # Queries whose (Lq, C) score tables fit SCORE_TABLE_BYTES together (each is copied once more for stage 3).
+    step = max(1, SCORE_TABLE_BYTES // (4 * n_tokens_q * plan.n_centroids))
+    parts, probed = [], 0
+    for start in range(0, n_queries, step):
+        part = slice(start, start + step)
+        found, count = _pairs_of(tables, queries[part], valid[part], nprobe, ndocs, stage2_docs, device)
+        parts.append((found[0] + start, *found[1:]))
+        probed += count
+    pair_query, pair_doc, approx = (torch.cat(values) for values in zip(*parts))
+    return pair_query, pair_doc, approx, {"probed_pairs": probed}
+
+
+def _pairs_of(tables: PlanTables, queries: torch.Tensor, valid: torch.Tensor, nprobe: int, ndocs: int,
+              stage2_docs: int | None, device: torch.device
+              ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], int]:
+    """:func:`plaid_pairs` for queries whose score tables fit in memory together; -> (pairs, probed pairs)."""
     vectors = queries.to(device=device, dtype=torch.float32).masked_fill(~valid[..., None], 0.0)  # out of play: 0
-    n_queries, n_tokens_q, _ = vectors.shape
     scores = query_centroid_scores(vectors, tables.centroids)  # (B, Lq, C)
     cells = probe_cells(scores, nprobe)
     stage2 = stage2_docs if stage2_docs is not None else 4 * ndocs
+    block_elements = STAGE3_BLOCK_ELEMENTS.get(device.type, ACCELERATOR_STAGE3_BLOCK_ELEMENTS)
     parts, probed = [], 0
+    n_queries = len(vectors)
     for group in _entry_groups(tables, cells, valid) if n_queries > 1 else [slice(0, n_queries)]:
         group_scores = scores[group]
         pair_query, pair_doc, bound = probed_pairs(tables, group_scores, cells[group], valid[group])
@@ -248,11 +272,10 @@ def plaid_pairs(plan: CentroidPlan, queries: torch.Tensor, valid: torch.Tensor, 
         size = group_scores.shape[0]
         keep = best_in_groups(pair_query, pair_doc, bound, stage2, size)
         pair_query, pair_doc = pair_query[keep], pair_doc[keep]
-        approx = pair_centroid_interaction(tables, group_scores, pair_query, pair_doc)
+        approx = pair_centroid_interaction(tables, group_scores, pair_query, pair_doc, block_elements=block_elements)
         keep = best_in_groups(pair_query, pair_doc, approx, ndocs, size)
         parts.append((pair_query[keep] + group.start, pair_doc[keep], approx[keep]))
-    pair_query, pair_doc, approx = (torch.cat(values) for values in zip(*parts))
-    return pair_query, pair_doc, approx, {"probed_pairs": probed}
+    return tuple(torch.cat(values) for values in zip(*parts)), probed  # type: ignore[return-value]
 
 
 # -- one query: the batch of one ---------------------------------------------------------------------------------
