@@ -133,12 +133,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 r = rows[-1]
                 print(f"k={k:<5} {label:<22} {median:7.2f} s  {r['queries_per_s']:7.1f} q/s  "
                       f"x{r['speedup_vs_first']:.2f}  vs first: {r['vs_first']}", flush=True)
-    result = {"settings": {k: [str(r) for r in v] if k == "repo" else str(v) if isinstance(v, Path) else v
-                           for k, v in vars(args).items()},
-              "repos": [str(r) for r in repos], "command": " ".join(sys.argv), "load_average": os.getloadavg(),
-              "finished": time.strftime("%Y-%m-%dT%H:%M:%S"), "rows": rows}
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(result, indent=1))
+    from measure import write_results
+
+    settings = {k: [str(r) for r in v] if k == "repo" else str(v) if isinstance(v, Path) else v
+                for k, v in vars(args).items()}
+    result = {"load_average": os.getloadavg(), "finished": time.strftime("%Y-%m-%dT%H:%M:%S"), "rows": rows}
+    write_results(args.output, settings, sys.argv[1:] if argv is None else argv, result)
     print(f"wrote {args.output}")
     return result
 

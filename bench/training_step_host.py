@@ -348,12 +348,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     print(f"{repo.name:>20} {model:>12} {precision:>10}  wall {row['wall_ms_median']:7.1f} ms  "
                           f"cpu {row['cpu_ms_median']:7.1f} ms  syncs/step {row['syncs_per_step_other']} "
                           f"(logging steps {row['syncs_per_step_logging']})", flush=True)
+    from measure import write_results  # the driver's side only: the children never import it
+
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "precision_now"}
     settings["repo"] = [str(r) for r in repos]
-    result = {"settings": settings, "command": " ".join(sys.argv), "load_average": os.getloadavg(),
-              "cpu_count": os.cpu_count(), "runs": runs}
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(result, indent=1))
+    result = {"load_average": os.getloadavg(), "runs": runs}
+    write_results(args.output, settings, sys.argv[1:] if argv is None else argv, result)
     print(f"wrote {args.output}")
     return result
 

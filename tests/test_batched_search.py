@@ -20,24 +20,18 @@ from hil.retrieval.device_tokens import device_tokens
 from hil.retrieval.encoding import eval_mode
 from hil.retrieval.full_ranking import full_rank
 from hil.retrieval.pair_scoring import pair_scores, ranked_pairs
-from hil.retrieval.plaid import CentroidPlan, assign_codes, build_ivf
 from hil.retrieval.plaid_search import (best_in_groups, plaid_candidates, plaid_pairs, probe_cells, probed_pairs,
                                         query_centroid_scores)
 from hil.retrieval.search import score_documents
 from hil.retrieval.store import TokenStore, gather_documents
 
 from conftest import random_bert
-from toys import TwoHeadEncoder, make_encoder, toy_corpus
+from toys import TwoHeadEncoder, make_encoder, random_plan, toy_corpus, unit
 
 # queries whose ids are corpus ids too (skip_self has something to skip), of different lengths
 QUERIES = {"d007": "protein gene therapy", "q2": "tumor growth in the mouse brain", "d014": "vaccine dose trial",
            "q10": "insulin signal receptor", "q4": "heart and lung risk", "q5": "what is a cell?",
            "q6": "blood", "q7": "model effect rate level study patient"}
-
-
-def unit(rows: int, dim: int, seed: int) -> np.ndarray:
-    x = np.random.default_rng(seed).standard_normal((rows, dim)).astype(np.float32)
-    return x / np.linalg.norm(x, axis=1, keepdims=True)
 
 
 # -- the batched pieces against slow references -------------------------------------------------------------------
@@ -106,15 +100,6 @@ def test_candidate_pairs_union_and_per_query_round_trip():
                                                  (union.query, union.docs, union.heads)))
     assert CandidatePairs.from_candidates([Candidates(np.zeros(0, np.int64), np.zeros((0, 2), bool))],
                                           torch.device("cpu")).heads.shape == (0, 2)
-
-
-def random_plan(n_docs: int, dim: int, n_centroids: int, max_len: int, seed: int) -> CentroidPlan:
-    rng = np.random.default_rng(seed)
-    offsets = np.concatenate([[0], np.cumsum(rng.integers(0, max_len, size=n_docs))]).astype(np.int64)
-    centroids = unit(n_centroids, dim, seed + 2)
-    codes = assign_codes(unit(int(offsets[-1]), dim, seed + 1), centroids)
-    ivf_offsets, ivf_docs = build_ivf(codes, offsets, n_centroids)
-    return CentroidPlan(centroids, codes, ivf_offsets, ivf_docs, offsets)
 
 
 @pytest.mark.parametrize("dim, n_centroids", [(8, 12), (16, 64), (128, 256)])

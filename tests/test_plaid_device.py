@@ -22,31 +22,16 @@ from hil.retrieval.backends.configs import PlaidIndexConfig, PlaidSearchConfig
 from hil.retrieval.builder import build_index
 from hil.retrieval.codec import CompressedEmbeddings, fit_residual_codec
 from hil.retrieval import plaid_search as plaid_module
-from hil.retrieval.plaid import CentroidPlan, assign_codes, build_ivf
+from hil.retrieval.plaid import CentroidPlan, assign_codes
 from hil.retrieval.plaid_search import centroid_interaction, plaid_candidates, plaid_pairs, top_by_score
 from hil.retrieval.search import exact_rank
 from hil.retrieval.full_ranking import full_rank
 from hil.retrieval.store import length_blocks, padded_rows
 
-from toys import QUERIES, TwoHeadEncoder, make_encoder, toy_corpus  # noqa: E402
+from toys import QUERIES, TwoHeadEncoder, make_encoder, random_plan, toy_corpus, unit  # noqa: E402
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 CPU = torch.device("cpu")
-
-
-def unit(rows: int, dim: int, seed: int) -> np.ndarray:
-    x = np.random.default_rng(seed).standard_normal((rows, dim)).astype(np.float32)
-    return x / np.linalg.norm(x, axis=1, keepdims=True)
-
-
-def random_plan(n_docs: int, dim: int, n_centroids: int, max_len: int, seed: int) -> CentroidPlan:
-    """Documents of 0..max_len - 1 random unit tokens; few centroids and short documents make many exact ties."""
-    rng = np.random.default_rng(seed)
-    offsets = np.concatenate([[0], np.cumsum(rng.integers(0, max_len, size=n_docs))]).astype(np.int64)
-    centroids = unit(n_centroids, dim, seed + 2)
-    codes = assign_codes(unit(int(offsets[-1]), dim, seed + 1), centroids)
-    ivf_offsets, ivf_docs = build_ivf(codes, offsets, n_centroids)
-    return CentroidPlan(centroids, codes, ivf_offsets, ivf_docs, offsets)
 
 
 # -- the numpy implementation before issue 24 (commit 5a2686c), kept as the regression oracle -----------------------

@@ -12,6 +12,7 @@ from torch import nn
 
 from hil.modeling.encoder import ColBERTEncoder
 from hil.modeling.scoring import late_interaction_matrix
+from hil.retrieval.plaid import CentroidPlan, assign_codes, build_ivf
 
 WORDS = ("cell protein gene tumor vaccine virus dose trial mouse brain heart blood lung risk insulin "
          "signal receptor growth therapy patient model effect rate level study").split()
@@ -63,6 +64,23 @@ def make_encoder(hf_tokenizer, cls=ColBERTEncoder, seed: int = 0):
                         num_attention_heads=2, intermediate_size=64, max_position_embeddings=128)
     model = BertModel(config, add_pooling_layer=False)
     return cls("random-bert", dim=16, query_maxlen=12, doc_maxlen=24, _loaded=(model, hf_tokenizer)).eval()
+
+
+# -- PLAID plans of random unit vectors ----------------------------------------------------------------------------
+
+def unit(rows: int, dim: int, seed: int) -> np.ndarray:
+    x = np.random.default_rng(seed).standard_normal((rows, dim)).astype(np.float32)
+    return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+def random_plan(n_docs: int, dim: int, n_centroids: int, max_len: int, seed: int) -> CentroidPlan:
+    """Documents of 0..max_len - 1 random unit tokens; few centroids and short documents make many exact ties."""
+    rng = np.random.default_rng(seed)
+    offsets = np.concatenate([[0], np.cumsum(rng.integers(0, max_len, size=n_docs))]).astype(np.int64)
+    centroids = unit(n_centroids, dim, seed + 2)
+    codes = assign_codes(unit(int(offsets[-1]), dim, seed + 1), centroids)
+    ivf_offsets, ivf_docs = build_ivf(codes, offsets, n_centroids)
+    return CentroidPlan(centroids, codes, ivf_offsets, ivf_docs, offsets)
 
 
 # index.json keys that say when, where and how an index was made, not what it holds

@@ -27,26 +27,11 @@ import torch
 
 from hil.modeling.contracts import EncodedBatch
 from hil.retrieval.codec import CompressedEmbeddings
-from hil.retrieval.devices import canonical_device
+from hil.retrieval.devices import canonical_device, upload_rows
 from hil.retrieval.store import TokenStore
 
 # The largest share of an accelerator's free memory a store's tables may take there.
 DEVICE_SHARE = 0.5
-# Rows copied to a device at once when uploading (bounds the host temporary: 256 MiB of fp16 at D = 128).
-_UPLOAD_ROWS = 1 << 20
-
-
-def _upload(array: np.ndarray, device: torch.device, dtype: type[np.generic] | None = None) -> torch.Tensor:
-    """``array`` (a memmap is fine) as a tensor of ``dtype`` (default its own) on ``device``, converted and copied
-    in blocks of rows: no whole-table temporary on the host."""
-    dtype = np.dtype(dtype or array.dtype)
-    out = torch.empty(array.shape, dtype=torch.from_numpy(np.empty(0, dtype=dtype)).dtype, device=device)
-    for start in range(0, len(array), _UPLOAD_ROWS):
-        part = np.ascontiguousarray(array[start: start + _UPLOAD_ROWS], dtype=dtype)
-        out[start: start + len(part)] = torch.from_numpy(part).to(device)
-    return out
-
-
 def _fits(device: torch.device, n_bytes: int) -> bool:
     """Whether ``n_bytes`` more fit on ``device`` within :data:`DEVICE_SHARE` of its free memory."""
     if device.type == "cuda":
@@ -75,12 +60,12 @@ class DeviceTokens:
             array = store.token_ids if name == "token_ids" else store.embeddings[name]
             if isinstance(array, CompressedEmbeddings):
                 if device.type != "cpu" and _fits(device, 4 * len(array.codes) + array.packed.nbytes):
-                    self._tables[name] = ("compressed", (_upload(array.codes, device, np.int32),
-                                                         _upload(array.packed, device), array.codec))
+                    self._tables[name] = ("compressed", (upload_rows(array.codes, np.int32, device),
+                                                         upload_rows(array.packed, None, device), array.codec))
                 else:
                     self._tables[name] = ("compressed-host", array)
             elif device.type != "cpu" and _fits(device, array.nbytes):
-                self._tables[name] = ("device", _upload(array, device))
+                self._tables[name] = ("device", upload_rows(array, None, device))
             else:
                 self._tables[name] = ("host", store.torch_view(name))
         return self._tables[name]

@@ -19,6 +19,7 @@ import logging
 import re
 from typing import Iterator
 
+import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
@@ -107,3 +108,20 @@ def canonical_device(device: torch.device | str) -> torch.device:
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device
+
+
+# Rows copied to a device at once: bounds the host temporary (256 MiB of fp16 vectors at D = 128, 4 MiB of codes).
+UPLOAD_ROWS = 1 << 20
+
+
+def upload_rows(array: np.ndarray, dtype: type[np.generic] | None, device: torch.device,
+                block: int = UPLOAD_ROWS) -> torch.Tensor:
+    """``array`` (a memmap is fine) as a tensor of ``dtype`` (None: its own) on ``device``, converted and copied in
+    blocks of ``block`` rows: no whole-table temporary on the host (the codes or vectors of a large corpus take
+    gigabytes)."""
+    dtype = np.dtype(dtype or array.dtype)
+    out = torch.empty(array.shape, dtype=torch.from_numpy(np.empty(0, dtype=dtype)).dtype, device=device)
+    for start in range(0, len(array), block):
+        part = torch.from_numpy(np.ascontiguousarray(array[start: start + block], dtype=dtype))
+        out[start: start + len(part)] = part.to(device)
+    return out

@@ -40,15 +40,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from hil.retrieval.devices import canonical_device
+from hil.retrieval.devices import canonical_device, upload_rows
 from hil.retrieval.kmeans import FAISS_ON_CPU, KMeansEngine, nearest_centroids, spherical_kmeans
 
 # Rows of the (n_tokens, D) table handled at once when assigning codes: bounds the fp32 copy (16 MiB at D=128).
 _ASSIGN_BLOCK = 1 << 15
 # The same on a GPU (torch): 256 MiB of fp16 rows at D=128 per copy, few copies; the scores are blocked there again.
 _ASSIGN_BLOCK_DEVICE = 1 << 20
-# Rows of a plan's table copied to a device at once (bounds the host temporary: 64 MiB of int32 codes).
-_UPLOAD_BLOCK = 1 << 24
 
 
 def default_n_centroids(n_tokens: int) -> int:
@@ -191,17 +189,6 @@ class PlanTables:
     doc_offsets: torch.Tensor       # (n_docs + 1,) int64
 
 
-def _upload(array: np.ndarray, dtype: type[np.generic], device: torch.device, block: int = _UPLOAD_BLOCK
-            ) -> torch.Tensor:
-    """``array`` (a memmap is fine) as a tensor of ``dtype`` on ``device``, converted and copied in blocks of
-    ``block`` rows: no whole-table temporary on the host (the codes of a large corpus take gigabytes)."""
-    out = torch.empty(array.shape, dtype=torch.from_numpy(np.empty(0, dtype=dtype)).dtype, device=device)
-    for start in range(0, len(array), block):
-        part = torch.from_numpy(np.ascontiguousarray(array[start: start + block], dtype=dtype))
-        out[start: start + len(part)] = part.to(device)
-    return out
-
-
 @dataclass
 class CentroidPlan:
     """One head's pruning structure: centroids, every token's centroid, and the centroid -> documents lists."""
@@ -230,10 +217,10 @@ class CentroidPlan:
                 self.__dict__["_doc_codes"] = distinct_doc_codes(self.ivf_offsets, self.ivf_docs,
                                                                  len(self.doc_offsets) - 1)
             doc_codes, doc_code_offsets = self.__dict__["_doc_codes"]
-            cache[device] = PlanTables(_upload(self.centroids, np.float32, device),
-                                       _upload(doc_codes, np.int32, device),
-                                       _upload(doc_code_offsets, np.int64, device),
-                                       _upload(self.ivf_offsets, np.int64, device),
-                                       _upload(self.ivf_docs, np.int32, device),
-                                       _upload(self.doc_offsets, np.int64, device))
+            cache[device] = PlanTables(upload_rows(self.centroids, np.float32, device),
+                                       upload_rows(doc_codes, np.int32, device),
+                                       upload_rows(doc_code_offsets, np.int64, device),
+                                       upload_rows(self.ivf_offsets, np.int64, device),
+                                       upload_rows(self.ivf_docs, np.int32, device),
+                                       upload_rows(self.doc_offsets, np.int64, device))
         return cache[device]
