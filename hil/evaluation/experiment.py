@@ -41,6 +41,11 @@ class ModelSpec:
             its documents, or its queries for the authors' formula).
         dim, query_maxlen, doc_maxlen: an untrained head's settings (a trained model keeps its own; a different
             value is refused, never ignored).
+        seed: the seed the model was trained with. Part of its column's identity (two seeds never share a column,
+            and a rerun keeps each seed's column); ``{seed}`` in ``name`` is filled with it.
+        method: what the model is an instance of (default: its column): columns of one method under several seeds
+            are summarized over seeds (mean, standard deviation, range) and compared with the other methods'
+            (:mod:`hil.evaluation.seeds`, ``seeds`` in ``metrics.json``'s statistics).
     """
 
     source: str
@@ -53,8 +58,12 @@ class ModelSpec:
     dim: int | None = None
     query_maxlen: int | None = None
     doc_maxlen: int | None = None
+    seed: int | None = None
+    method: str | None = None
 
     def __post_init__(self) -> None:
+        if self.seed is None and "{seed}" in (self.name or ""):
+            raise UserError(f"model {self.source!r}: name {self.name!r} has {{seed}} but no seed is given")
         if self.idf not in ("model", "corpus"):
             raise UserError(f"idf must be 'model' or 'corpus' (got {self.idf!r})")
         if self.transform_mode not in ("token", "sequence"):
@@ -66,11 +75,18 @@ class ModelSpec:
 
     @property
     def column(self) -> str:
-        """The column before the model is loaded (placeholders unfilled): what duplicate names are checked on."""
-        return self.name or column_name(self.source)
+        """The column before the model is loaded (``{seed}`` filled, other placeholders not): what duplicate names
+        are checked on."""
+        name = self.name or column_name(self.source)
+        return name.replace("{seed}", str(self.seed)) if self.seed is not None else name
 
     def column_for(self, encoder: Encoder, mode: str) -> str:
         return run_name(self.column.format(architecture=encoder.architecture, mode=mode))
+
+    @property
+    def method_name(self) -> str:
+        """The method this model's column belongs to in seed statistics (``method``, else its column)."""
+        return self.method or self.column
 
     def transform_column(self, encoder: Encoder, mode: str, transform: str) -> str:
         return run_name(self.transform_name.format(column=self.column_for(encoder, mode), mode=mode,

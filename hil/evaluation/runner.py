@@ -41,6 +41,7 @@ from hil.evaluation.experiment import (BASELINE, DatasetSpec, Experiment, ModelS
                                        column_name)
 from hil.evaluation.results import dataset_record, evaluation_statistics, write_results
 from hil.evaluation.runs import write_trec_run
+from hil.evaluation.seeds import seed_table
 from hil.modeling.contracts import Encoder
 from hil.modeling.hil import HILEncoder
 from hil.modeling.loading import load_encoder, split_ensemble_source
@@ -253,7 +254,11 @@ class DatasetRun:
         column = spec.column_for(encoder, settings.mode)
         model = {"name": column, "source": spec.source, "fingerprint": fingerprint,
                  "architecture": encoder.architecture, "settings": encoder.settings(), "idf": spec.idf}
-        identity = {"dataset": self.identity, "column": {"fingerprint": fingerprint}, "evaluation": evaluation_id}
+        model_id: dict[str, Any] = {"fingerprint": fingerprint}
+        if spec.seed is not None:  # two seeds never share a column, even of one (e.g. untrained) model
+            model_id["seed"] = spec.seed
+            model.update(seed=spec.seed, method=spec.method_name)
+        identity = {"dataset": self.identity, "column": model_id, "evaluation": evaluation_id}
         if self.hooks is not None:
             identity["extras"] = self.hooks.identity(self)
         record = self.finished(column, identity)
@@ -269,7 +274,7 @@ class DatasetRun:
             name = spec.transform_column(encoder, settings.mode, transform)
             fitted = {"transform": transform, "mode": spec.transform_mode, "max_tokens": spec.transform_max_tokens,
                       "seed": experiment.seed}
-            transform_id = {**identity, "column": {"fingerprint": fingerprint, "transform": fitted}}
+            transform_id = {**identity, "column": {**model_id, "transform": fitted}}
             record = self.finished(name, transform_id)
             if record is not None:
                 yield Column(name, record)
@@ -391,12 +396,35 @@ def finish_dataset(experiment: Experiment, part: DatasetRun, columns: list[Colum
                                            pairs=paired_comparisons(columns, baseline, transforms_of),
                                            n_bootstrap=stats.bootstrap_samples, n_permutations=stats.permutations,
                                            seed=experiment.seed, p_adjust=stats.p_adjust)
+    if stats.enabled and evaluations:
+        seeds = seed_statistics(columns, stats)
+        if seeds:
+            statistics = {**(statistics or {}), "seeds": seeds}
     models = {column.name: column.record.get("model", {}) for column in columns if column.name != baseline}
     settings = {**experiment.command, "evaluation": settings_record(part.settings),
                 "statistics": asdict(stats), "dataset_spec": asdict(part.spec), "identity": part.identity}
     path = write_results(part.folder, part.dataset, evaluations, settings, models, statistics=statistics,
                          write_runs=False)
     return DatasetResult(part.spec.folder_key, part.dataset, columns, statistics, path)
+
+
+def seed_statistics(columns: Sequence[Column], stats: StatisticsSettings) -> dict[str, Any] | None:
+    """Per metric, :func:`hil.evaluation.seeds.seed_table` over the columns of models given a ``seed``, grouped by
+    ``method`` (transform columns left out), when some method has two seeds or more; the reference is the first
+    method. None when there is nothing to summarize."""
+    methods: dict[str, dict[int, Column]] = {}
+    for column in columns:
+        model = column.record.get("model", {})
+        if model.get("seed") is not None and "transform" not in model:
+            methods.setdefault(model["method"], {})[int(model["seed"])] = column
+    if not any(len(per) > 1 for per in methods.values()):
+        return None
+    reference = next(iter(methods))
+    return {metric: seed_table({name: {seed: {q: values[metric] for q, values in
+                                              column.record["per_query"].items()}
+                                       for seed, column in per.items()} for name, per in methods.items()},
+                               reference, stats.p_adjust)
+            for metric in stats.metrics}
 
 
 def settings_record(settings: EvaluationSettings) -> dict[str, Any]:

@@ -40,8 +40,9 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Collection
+from typing import Any, Collection
 
 
 from hil.data.errors import DEBUG_ENV, UserError, one_line, user_error
@@ -54,6 +55,7 @@ from hil.experiments.profiles import (CORPUS_IDF, DATASETS, DEFAULT_VARIANTS, EN
                                       REPO_CONFIGS, VARIANTS, Profile, default_datasets)
 from hil.experiments.records import load_dataset, load_results, other_data, require_local, summarize
 from hil.experiments.report import write_report
+from hil.experiments.seed_report import seed_folder, write_seed_report
 from hil.modeling.encoder import CONFIG_NAME
 from hil.provenance import provenance, write_json_atomic
 from hil.paths import DATA_DIR_ENV
@@ -69,17 +71,22 @@ def train_variant(name: str, profile: Profile, out: Path, force: bool = False) -
     """Train ``name`` under ``profile`` (skipped when its export exists). -> the export folder."""
     workdir = out / "train" / name
     export = workdir / "export"
-    if (export / CONFIG_NAME).is_file() and not force:
-        log(f"train {name}: done before, skipped")
-        return export
-    if workdir.exists():
-        shutil.rmtree(workdir)
-    workdir.mkdir(parents=True)
     partial = workdir / "export.partial"
     command = [sys.executable, "-c", "from hil.cli import train_main; train_main()", "fit",
                *profile.config_args(name), "--trainer.default_root_dir", str(workdir), "--export_dir", str(partial)]
-    budget = profile.training
-    log(f"train {name}: {budget.max_steps} steps x {budget.batch_size} triples (log: {workdir / 'train.log'})")
+    budget = {"variant": VARIANTS[name][0] or "colbert", **asdict(profile.training)}
+    if (export / CONFIG_NAME).is_file() and not force:
+        recorded = trained_with(workdir)
+        if recorded == budget:
+            log(f"train {name}: done before, skipped")
+            return export
+        changed = sorted(k for k in budget if (recorded or {}).get(k) != budget[k]) if recorded else ["no record"]
+        log(f"train {name}: trained before with other settings ({', '.join(changed)}), trained again")
+    if workdir.exists():
+        shutil.rmtree(workdir)
+    workdir.mkdir(parents=True)
+    log(f"train {name}: {budget['max_steps']} steps x {budget['batch_size']} triples, seed {budget['seed']} "
+        f"(log: {workdir / 'train.log'})")
     started = time.perf_counter()
     with open(workdir / "train.log", "w") as stream:
         completed = subprocess.run(command, stdout=stream, stderr=subprocess.STDOUT,
@@ -91,10 +98,20 @@ def train_variant(name: str, profile: Profile, out: Path, force: bool = False) -
                               + " | ".join(tail))
     partial.rename(export)
     write_json_atomic(workdir / "train.json", {
-        "variant": name, "config": VARIANTS[name][0] or "colbert", "command": command[3:], "seconds": seconds,
+        "variant": name, "config": VARIANTS[name][0] or "colbert", "command": command[3:], "budget": budget,
+        "seconds": seconds,
         "peak_rss_mb_children": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024})
     log(f"train {name}: {seconds:.0f} s")
     return export
+
+
+def trained_with(workdir: Path) -> dict[str, Any] | None:
+    """The budget ``train.json`` records for an earlier training in ``workdir`` (None: no record), so that a rerun
+    retrains a variant whose budget (seed, steps, backbone, ...) changed instead of keeping it."""
+    try:
+        return json.loads((workdir / "train.json").read_text())["budget"]
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 # -- evaluation ----------------------------------------------------------------------------------------------
@@ -115,9 +132,11 @@ def paper_experiment(profile: Profile, out: Path, exports: dict[str, Path], data
                                  first_stage_run=first.run_file if first else None,
                                  first_stage_name=first.name if first else None,
                                  relevance_level=first.relevance_level if first else None))
-    models = [ModelSpec(str(export), name=name) for name, export in exports.items()]
-    models += [ModelSpec(str(exports[base]), name=name, idf="corpus") for name, (base, _) in CORPUS_IDF.items()
-               if base in exports]
+    seed = profile.training.seed
+    models = [ModelSpec(str(export), name=name, seed=seed) for name, export in exports.items()]
+    if profile.corpus_idf:
+        models += [ModelSpec(str(exports[base]), name=name, idf="corpus", seed=seed)
+                   for name, (base, _) in CORPUS_IDF.items() if base in exports]
     settings = EvaluationSettings(mode="exhaustive", k=profile.k, index_root=None, keep_head_scores=True,
                                   rerank_depth=profile.rerank_depth, batch_size=profile.encode_batch_size,
                                   progress=False, device=profile.device, precision=profile.precision)
@@ -149,6 +168,19 @@ def run_profile(profile: Profile, out: Path, *, variants: list[str] | None = Non
     run_experiment(experiment, hooks=PaperColumns(profile, figures_on=datasets[0], ensembles=ensembles))
     report = write_outputs(out, profile, command=command, elapsed_s=time.perf_counter() - started)
     log(f"report: {report}")
+    return report
+
+
+def run_seeds(profile: Profile, out: Path, seeds: list[int], *, variants: list[str] | None = None,
+              datasets: list[str] | None = None, force: bool = False, command: str = "") -> Path:
+    """The whole experiment once per training seed into ``out/seed-<s>/``, then ``seeds.md`` / ``seeds.json``
+    (:mod:`hil.experiments.seed_report`); returns the seed report's path."""
+    for seed in seeds:
+        log(f"seed {seed}: {seed_folder(out, seed)}")
+        run_profile(replace(profile, train_seed=seed), seed_folder(out, seed), variants=variants, datasets=datasets,
+                    force=force, command=command)
+    report = write_seed_report(out, profile, seeds, command=command)
+    log(f"seed report: {report}")
     return report
 
 
@@ -192,6 +224,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="multiple-comparison adjustment of the tests against ColBERT, shown beside the raw "
                              "p-values and used for the dagger: holm (Holm-Bonferroni; the default), bh "
                              "(Benjamini-Hochberg) or none")
+    parser.add_argument("--seeds", default=None,
+                        help="comma-separated training seeds: the experiment once per seed into <out>/seed-<s>/, "
+                             "then <out>/seeds.md (every variant over the seeds, against ColBERT); default: one run "
+                             "with the config's seed_everything")
+    parser.add_argument("--no-corpus-idf", action="store_true",
+                        help="leave out the ColBERT-HIL columns with IDF recomputed on each evaluated dataset")
     parser.add_argument("--force", action="store_true", help="redo finished stages instead of skipping them")
     parser.add_argument("--report-only", action="store_true", help="only rewrite the report from finished stages")
     parser.add_argument("--publish", default=None, metavar="DIR",
@@ -213,6 +251,33 @@ def publish(out: Path, target: Path) -> Path:
             destination.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(path, destination)
     return target / "report.md"
+
+
+def publish_seeds(out: Path, seeds: list[int], target: Path) -> Path:
+    """:func:`publish` for a run over seeds: ``seeds.md`` / ``seeds.json`` and each seed's published files."""
+    if not (out / "seeds.md").is_file():
+        raise ExperimentError(f"{out}: no seeds.md to publish (run the experiment first)")
+    if target.exists():
+        shutil.rmtree(target)
+    target.mkdir(parents=True)
+    for name in ("seeds.md", "seeds.json"):
+        shutil.copy2(out / name, target / name)
+    for seed in seeds:
+        publish(seed_folder(out, seed), seed_folder(target, seed))
+    return target / "seeds.md"
+
+
+def seed_list(text: str | None) -> list[int] | None:
+    """``--seeds 1,2,3`` as distinct integers (None when not given)."""
+    if text is None:
+        return None
+    try:
+        seeds = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise UserError(f"--seeds: comma-separated integers expected (got {text!r})") from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise UserError(f"--seeds: one or more distinct seeds expected (got {text!r})")
+    return seeds
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -243,7 +308,6 @@ def names(option: str, text: str | None, known: Collection[str]) -> list[str] | 
 
 
 def run_command(argv: list[str] | None) -> int:
-    from dataclasses import replace
 
     args = parse_with_option_files(build_parser(), argv)
     profile = PROFILES[args.profile]
@@ -261,8 +325,19 @@ def run_command(argv: list[str] | None) -> int:
         check_precision(profile.precision, resolve_device(profile.device))
     except ValueError as error:
         raise UserError(f"--device/--precision: {error}") from None
+    if args.no_corpus_idf:
+        profile = replace(profile, corpus_idf=False)
+    seeds = seed_list(args.seeds)
     out = Path(args.out or Path("results") / profile.name)
     command = "python -m hil.experiments.paper " + " ".join(argv if argv is not None else sys.argv[1:])
+    if seeds is not None:
+        if args.report_only:
+            print(write_seed_report(out, profile, seeds, command=command))
+        else:
+            run_seeds(profile, out, seeds, variants=variants, datasets=datasets, force=args.force, command=command)
+        if args.publish:
+            log(f"published {publish_seeds(out, seeds, Path(args.publish))}")
+        return 0
     if args.report_only:
         recorded = out / "profile.json"  # the command that ran the experiment, not this rewrite
         if recorded.is_file():

@@ -166,6 +166,9 @@ class Profile:
     preset: str  # a file under configs/presets
     description: str = ""
     max_steps: int | None = None  # overrides the preset's (--max-steps): a shorter prefix of the same schedule
+    # overrides the config's seed_everything for training only (--seeds): slices, pairs and bootstraps keep ``seed``
+    train_seed: int | None = None
+    corpus_idf: bool = True  # also evaluate the CORPUS_IDF columns (--no-corpus-idf leaves them out)
     configs: Path = REPO_CONFIGS
     # dataset key -> (number of queries, number of documents) for a deterministic slice; absent = the whole set
     slices: dict[str, tuple[int, int]] = field(default_factory=dict)
@@ -182,13 +185,22 @@ class Profile:
     precision: str = "fp32"   # evaluation: corpus encoding autocast (hil.retrieval.devices)
 
     @cached_property
+    def configured(self) -> TrainingBudget:
+        """The budget as the base config and the preset give it (no run option applied)."""
+        return TrainingBudget.from_configs(self.configs / BASE_CONFIG, self.configs / "presets" / self.preset)
+
+    @property
     def training(self) -> TrainingBudget:
-        budget = TrainingBudget.from_configs(self.configs / BASE_CONFIG, self.configs / "presets" / self.preset)
-        return budget if self.max_steps is None else TrainingBudget(**{**asdict(budget), "max_steps": self.max_steps})
+        """What every variant is trained with: the configured budget with ``max_steps`` and ``train_seed``."""
+        overrides = {key: value for key, value in (("max_steps", self.max_steps), ("seed", self.train_seed))
+                     if value is not None}
+        return TrainingBudget(**{**asdict(self.configured), **overrides})
 
     @property
     def seed(self) -> int:
-        return self.training.seed
+        """The evaluation's seed (dataset slices, InterIso pairs, bootstraps): the config's ``seed_everything``,
+        the same whatever seed the models were trained with, so that every seed is measured on the same data."""
+        return self.configured.seed
 
     def config_args(self, variant: str) -> list[str]:
         """The ``train.py fit`` arguments of one variant: base config, its delta, the preset, then run options."""
@@ -199,12 +211,14 @@ class Profile:
         args += ["--config", str(self.configs / "presets" / self.preset), "--trainer.enable_progress_bar", "false"]
         if self.max_steps is not None:
             args += ["--trainer.max_steps", str(self.max_steps)]
+        if self.train_seed is not None:
+            args += ["--seed_everything", str(self.train_seed)]
         return args
 
     def budget(self) -> dict[str, Any]:
         """Everything the run depends on, for ``profile.json``."""
-        evaluation = {k: v for k, v in asdict(self).items() if k not in ("configs", "max_steps")}
-        return {**evaluation, **asdict(self.training)}
+        evaluation = {k: v for k, v in asdict(self).items() if k not in ("configs", "max_steps", "train_seed")}
+        return {**evaluation, **asdict(self.training), "evaluation_seed": self.seed}
 
 
 PROFILES: dict[str, Profile] = {
