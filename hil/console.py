@@ -6,7 +6,7 @@
     hil evaluate --model M --dataset scifact --config eval/plaid --print_config
     hil index --model M --dataset scifact --settings.backend plaid # build (or check and reuse) the index only
     hil search --model M --dataset scifact --run run.trec           # one model's run, written as a TREC file
-    hil beir | paper | analyze | share | teacher ...                # the experiments and tools
+    hil beir | paper | analyze | share | teacher | engines ...      # the experiments and tools
 
 ``hil evaluate`` parses an :class:`~hil.evaluation.experiment.Experiment` (datasets, models, evaluation settings
 with the back-end's build-time and search-time settings chosen by ``class_path``, statistics, output) from YAML
@@ -37,7 +37,7 @@ PROG = "hil"
 DELEGATED = {  # subcommand -> (module, function taking argv): commands with parsers of their own
     "beir": ("hil.experiments.beir", "main"), "paper": ("hil.experiments.paper", "main"),
     "analyze": ("hil.analysis.cli", "main"), "share": ("hil.modeling.share", "main"),
-    "teacher": ("hil.experiments.teacher", "main")}
+    "teacher": ("hil.experiments.teacher", "main"), "engines": ("hil.experiments.engines", "main")}
 TRAINING = ("fit", "validate", "test", "predict")
 
 

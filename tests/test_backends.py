@@ -26,6 +26,7 @@ EVERYTHING = {
     "ivfflat": ({"nlist": 4}, {"nprobe": 4}),
     "ivfpq": ({"nlist": 4, "m": 4, "nbits": 4}, {"nprobe": 4}),
     "plaid": ({"n_centroids": 8, "niter": 3}, {"nprobe": 8, "ndocs": 50, "stage2_docs": 50}),
+    "muvera": ({"k_sim": 3, "d_proj": 8, "r_reps": 2}, {"n_candidates": 50}),
 }
 
 
@@ -43,7 +44,7 @@ def indexes(encoder, tmp_path_factory):
 
 
 def wide_settings(kind: str, index):
-    wide = {"ncandidates": index.n_tokens} if kind != "plaid" else {}
+    wide = {"ncandidates": index.n_tokens} if kind not in ("plaid", "muvera") else {}
     return SEARCH_CONFIGS[kind](**wide, **EVERYTHING[kind][1])
 
 
@@ -105,7 +106,7 @@ def test_plaid_search_settings_are_the_search_config_and_never_the_index(indexes
 
 
 def test_unknown_kind_is_refused_with_the_known_ones():
-    with pytest.raises(UserError, match=r"backend must be one of \('flat', 'ivfflat', 'ivfpq', 'plaid'\), "
+    with pytest.raises(UserError, match=r"backend must be one of \('flat', 'ivfflat', 'ivfpq', 'plaid', 'muvera'\), "
                                         r"got 'hnsw'"):
         backend_class("hnsw")
 

@@ -370,3 +370,18 @@ def test_half_precision_inputs_are_computed_in_float32():
     assert values.dtype == torch.float32
     assert torch.allclose(values.double(), inter_iso(tokens[:10].double(), tokens[10:].double()), atol=1e-2)
     assert isoscore_star(x.bfloat16()).dtype == torch.float32
+
+
+def test_effective_rank_against_numpy_entropy_of_singular_values():
+    """Roy & Vetterli's effective rank, from numpy's SVD and the entropy written out; limits of the definition."""
+    from hil.isotropy.metrics import effective_rank
+
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(50, 6)) * np.array([3.0, 2.0, 1.0, 0.5, 0.1, 0.01]) + np.array([1.0, 0, 0, 0, 0, 0])
+    s = np.linalg.svd(x, compute_uv=False)
+    p = s / s.sum()
+    expected = math.exp(-sum(v * math.log(v) for v in p if v > 0))
+    assert float(effective_rank(torch.tensor(x))) == pytest.approx(expected, rel=1e-10)
+    assert float(effective_rank(torch.eye(5))) == pytest.approx(5.0)  # every direction used equally
+    line = torch.tensor(rng.normal(size=(20, 1))) * torch.tensor([[1.0, 2.0, -1.0]])
+    assert float(effective_rank(line)) == pytest.approx(1.0, abs=1e-6)  # all points on one line

@@ -28,6 +28,8 @@ INDEX_VARIANTS: dict[str, tuple[str, dict[str, Any], str]] = {
     "flat-int8": ("flat", {}, "int8"),
     "flat-onnx-int8": ("flat", {}, "onnx-int8"),
     "plaid-onnx-int8": ("plaid", {}, "onnx-int8"),
+    "muvera": ("muvera", {}, "fp32"),  # the paper's k_sim 5, d_proj 16, R 20: 10,240 floats per document
+    "muvera-centered": ("muvera", {"transform": "center"}, "fp32"),
 }
 
 

@@ -47,12 +47,26 @@ def run(config: BenchConfig, job: Job) -> dict[str, Any]:
             "n_docs": index.n_docs, "n_tokens": index.n_tokens, "encode": record, "structure_build_s": seconds,
             "build_s": record["encode_and_write_s"] + seconds, "bytes_per_token": index.bytes_per_token(),
             "disk_bytes": index.disk_bytes(), "disk_bytes_per_token": index.disk_bytes() / max(1, index.n_tokens),
+            "disk_bytes_per_doc": index.disk_bytes() / max(1, index.n_docs),
+            "structure_bytes_per_doc": structure_bytes(index) / max(1, index.n_docs),
             "peak_rss_mb": peak_rss_mb(), "document_encoding": encoding}
+
+
+def structure_bytes(index: Any) -> int:
+    """Bytes of the back-end's own files (FAISS indexes, centroids, codes, FDEs), every head: what the engine adds
+    beside the stored vectors."""
+    from hil.retrieval.backends.registry import backend_class
+
+    backend = backend_class(index.backend_settings["kind"])
+    return sum(path.stat().st_size for head in index.head_names for path in backend.head_files(index.directory, head)
+               if path.is_file())
 
 
 def rows(label: str, result: dict[str, Any]) -> list[tuple[str, str, str]]:
     r = result
     return [(f"index {r['variant']}", f"{r['build_s']:.1f} s build",
              f"structures {r['structure_build_s']:.1f} s, {r['bytes_per_token']} B/token vectors, "
-             f"{r['disk_bytes_per_token']:.1f} B/token on disk, peak RSS {r['peak_rss_mb']:.0f} MB "
+             f"{r['disk_bytes_per_token']:.1f} B/token on disk ({fmt(r.get('disk_bytes_per_doc'), 0)} B/document, "
+             f"of which search structures {fmt(r.get('structure_bytes_per_doc'), 0)}), "
+             f"peak RSS {r['peak_rss_mb']:.0f} MB "
              f"(encoding peak {fmt(r['encode'].get('peak_rss_mb'), 0)} MB), {r['n_tokens']} tokens")]

@@ -127,7 +127,8 @@ def run(config: BenchConfig, job: Job) -> dict[str, Any]:
             options["query_encoder"] = onnx_query_encoder(encoder)
         run_, times, stats = latencies(encoder, index, queries, k, **options)
         ndcg10, per_query = ndcg(dataset, run_)
-        out.update(percentiles(times), ndcg10=ndcg10, overlap10_vs_exact=overlap(exact_path, run_),
+        out.update(percentiles(times), queries_per_s=1000.0 * len(times) / max(sum(times), 1e-9),  # times in ms
+                   ndcg10=ndcg10, overlap10_vs_exact=overlap(exact_path, run_),
                    ndcg10_vs_exact=paired_difference(exact_ndcg_path, per_query),
                    candidates_mean=stats.get("candidates_mean"),
                    plaid=stats.get("plaid"), bytes_per_token=index.bytes_per_token(),
@@ -165,7 +166,8 @@ def vs_exact(result: dict[str, Any]) -> str:
 def rows(label: str, result: dict[str, Any]) -> list[tuple[str, str, str]]:
     name, r = label.split(":", 1)[1], result
     if "p50_ms" in r:
-        return [(f"search {name}", f"p50 {r['p50_ms']:.1f} ms, p95 {r['p95_ms']:.1f} ms",
+        return [(f"search {name}", f"p50 {r['p50_ms']:.1f} ms, p95 {r['p95_ms']:.1f} ms, "
+                 f"{fmt(r.get('queries_per_s'), 1)} queries/s",
                  f"nDCG@10 {fmt(r.get('ndcg10'), 4)}{vs_exact(r)}, top-10 overlap with exact "
                  f"{fmt(r.get('overlap10_vs_exact'), 3)}; {r['queries']} queries, "
                  f"{fmt(r.get('candidates_mean'), 0)} docs scored exactly; peak RSS {r['peak_rss_mb']:.0f} MB")]

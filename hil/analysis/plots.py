@@ -3,7 +3,7 @@
 Each function takes plain numbers (the report computes them), writes one PNG and returns its path:
 ``plot_cosine_distributions`` (HIL Fig. 2), ``plot_layer_inter_iso`` (HIL Fig. 5), ``plot_overlap`` (HIL Fig. 3,
 two circles drawn with patches), ``plot_isotropy`` (I(W) / Avg-Cos / IsoScore before and after transforms) and
-``plot_intervals`` (bootstrap confidence intervals of a metric per run).
+``plot_intervals`` (bootstrap confidence intervals of a metric per run) and ``plot_scatter`` (labelled points).
 """
 
 from __future__ import annotations
@@ -173,4 +173,18 @@ def plot_intervals(bootstrap: Mapping[str, Mapping[str, Mapping[str, float]]], m
     ax.set_xlabel(f"{metric} (bootstrap {100 * next(iter(bootstrap[names[0]].values()))['confidence']:.0f}% CI)"
                   if names else metric)
     ax.grid(axis="x", alpha=0.3)
+    return _save(fig, path)
+
+
+def plot_scatter(points: Sequence[tuple[str, float, float]], path: str | Path, *, xlabel: str, ylabel: str,
+                 title: str = "") -> Path:
+    """One labelled point per (label, x, y)."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, x, y in points:
+        ax.scatter([x], [y], s=30)
+        ax.annotate(label, (x, y), fontsize=7, xytext=(4, 2), textcoords="offset points")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
     return _save(fig, path)

@@ -190,6 +190,19 @@ def isoscore(x: Tensor) -> Tensor:
     return isoscore_from_variances(pca_variances(x))
 
 
+def effective_rank(x: Tensor) -> Tensor:
+    """Effective rank of Roy & Vetterli (2007, Eq. 2): ``exp(H(p))`` with ``p_i = s_i / sum_j s_j`` the normalized
+    singular values of the *uncentered* points x (N, D) and ``H`` the Shannon entropy (0 log 0 = 0) -> scalar in
+    [1, min(N, D)], float64, no gradient. Uncentered on purpose: a common direction shared by every token (the
+    anisotropy MUVERA's SimHash suffers from) shows as one dominant singular value and lowers it, where the
+    centered IsoScore would not see it. D means every direction used equally; 1 means all points on one line."""
+    _check_points("effective_rank", x)
+    singular = torch.linalg.svdvals(x.detach().to(torch.float64))
+    p = singular / singular.sum()
+    p = p[p > 0]
+    return torch.exp(-(p * p.log()).sum())
+
+
 def covariance(x: Tensor) -> Tensor:
     """Sample covariance (ddof 1, as ``torch.cov`` and the I-STAR code) of points x (N, D) -> (D, D). Differentiable."""
     _check_points("covariance", x)

@@ -12,11 +12,12 @@ from hil.data.errors import UserError
 from hil.retrieval.backends.base import SearchBackend
 from hil.retrieval.backends.centroid import PlaidBackend
 from hil.retrieval.backends.configs import SearchConfig
+from hil.retrieval.backends.muvera import MuveraBackend
 from hil.retrieval.backends.token_ann import FlatBackend, IvfFlatBackend, IvfPqBackend
 from hil.retrieval.index import TokenIndex
 
 BACKENDS: dict[str, type[SearchBackend]] = {
-    backend.kind: backend for backend in (FlatBackend, IvfFlatBackend, IvfPqBackend, PlaidBackend)}
+    backend.kind: backend for backend in (FlatBackend, IvfFlatBackend, IvfPqBackend, PlaidBackend, MuveraBackend)}
 BACKEND_KINDS = tuple(BACKENDS)
 FAISS_KINDS = BACKEND_KINDS  # the name before 0.2
 

@@ -1,0 +1,271 @@
+"""Isotropy x engine: which retrieval engines a model's token geometry breaks, and whether isotropy repairs them.
+
+LightOn's LateOn-regularized model card (2026) reports that recent ColBERT token embeddings are highly anisotropic,
+that this does not hurt PLAID but breaks single-vector schemes such as MUVERA's fixed dimensional encodings
+(Dhulipala et al. 2024), and that mean-centering helps without being enough. This study measures it, per model:
+
+1. **exact**: every query against every document (``exhaustive``), its top ``depth`` (100) the reference;
+2. every **engine** (a back-end with its build- and search-time settings, :class:`Engine`; by default token ANN
+   (FAISS IVF over token vectors, ColBERT v1's first stage), PLAID, MUVERA, and MUVERA over mean-centered and over
+   whitened tokens (``MuveraIndexConfig.transform``, an index-time option of the back-end)): full ranking over one
+   index of the model (the vectors are encoded once; only the search structures change);
+3. per engine: **candidate recall@depth** against exact (:func:`candidate_recall`: the share of exact MaxSim's top
+   ``depth`` that the engine's top ``depth`` holds; 1 means the engine loses nothing), and nDCG@10, each with a
+   bootstrap interval over queries;
+4. the model's **isotropy** on a sample of its document tokens, per head (average cosine, I(W), IsoScore, effective
+   rank: :mod:`hil.isotropy.metrics`), and of the same sample as each MUVERA transform sees it (the mean and matrix
+   read back from the built index).
+
+``engines.json`` holds every number with its settings, ``engines.md`` the tables and ``engines_isotropy.png`` the
+figure: MUVERA's recall against the average cosine of the tokens its SimHash sees (the most anisotropic head of the
+model), one point per model x transform. Run: ``python -m hil.experiments.engines`` (``hil engines``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from hil.analysis.similarity import isotropy_scores
+from hil.data.beir import BeirDataset, load_beir
+from hil.data.errors import UserError, exit_status
+from hil.data.ranking import id_rank, top_k_indices
+from hil.evaluation.evaluate import EvaluationSettings, document_store, evaluate
+from hil.evaluation.experiment import ModelSpec
+from hil.evaluation.runner import load_model
+from hil.evaluation.statistics import bootstrap_ci
+from hil.evaluation.tables import fmt, markdown_table
+from hil.isotropy.metrics import effective_rank
+from hil.modeling.contracts import Encoder
+from hil.provenance import provenance, write_json_atomic, write_text_atomic
+from hil.retrieval.backends.configs import (IndexConfig, IvfFlatIndexConfig, MuveraIndexConfig, PlaidIndexConfig,
+                                            SearchConfig)
+from hil.retrieval.backends.muvera import apply_token_transform
+from hil.retrieval.backends.registry import open_backend
+from hil.retrieval.index import TokenIndex
+from hil.retrieval.transformed import sample_token_vectors
+
+METRIC = "ndcg@10"
+
+
+@dataclass(frozen=True)
+class Engine:
+    """One engine of the study: a name, its back-end's build-time settings and search-time settings (None: the
+    back-end's defaults for the ranking depth)."""
+
+    name: str
+    backend: IndexConfig
+    search: SearchConfig | None = None
+
+    @property
+    def transform(self) -> str:
+        return getattr(self.backend, "transform", "none")
+
+
+DEFAULT_ENGINES = (Engine("token ANN (IVF)", IvfFlatIndexConfig()), Engine("PLAID", PlaidIndexConfig()),
+                   Engine("MUVERA", MuveraIndexConfig()),
+                   Engine("MUVERA, centered", MuveraIndexConfig(transform="center")),
+                   Engine("MUVERA, whitened", MuveraIndexConfig(transform="whiten")))
+
+
+def top_documents(run: Mapping[str, float], depth: int) -> list[str]:
+    """A query's ``depth`` best documents by the package's one ranking rule (:mod:`hil.data.ranking`)."""
+    ids = list(run)
+    scores = np.asarray([run[d] for d in ids], dtype=np.float64)
+    return [ids[i] for i in top_k_indices(scores, id_rank(ids), depth)] if ids else []
+
+
+def candidate_recall(run: Mapping[str, Mapping[str, float]], exact: Mapping[str, Mapping[str, float]],
+                     depth: int) -> dict[str, float]:
+    """Per query of ``exact``: ``|top_depth(run) & top_depth(exact)| / |top_depth(exact)|`` (a query the engine
+    returned nothing for scores 0; a query without exact documents is left out)."""
+    recall = {}
+    for qid, scores in exact.items():
+        wanted = set(top_documents(scores, depth))
+        if wanted:
+            recall[qid] = len(wanted & set(top_documents(run.get(qid, {}), depth))) / len(wanted)
+    return recall
+
+
+def token_isotropy(points: torch.Tensor, seed: int) -> dict[str, float]:
+    """Average cosine, I(W), IsoScore (:func:`~hil.analysis.similarity.isotropy_scores`) and effective rank."""
+    return {**isotropy_scores(points, max_points=None, seed=seed), "effective_rank": float(effective_rank(points))}
+
+
+def transform_of(index: TokenIndex, engine: Engine, head: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The (mean, matrix) a MUVERA engine's index applies to ``head``'s tokens, read back from the built index."""
+    if engine.backend.kind != "muvera" or engine.transform == "none":
+        return None
+    _, _, mean, matrix = open_backend(index).structures(head)
+    return torch.as_tensor(mean, dtype=torch.float32), torch.as_tensor(matrix, dtype=torch.float32)
+
+
+def interval(per_query: Mapping[str, float], n_bootstrap: int, seed: int) -> dict[str, float]:
+    result = bootstrap_ci(dict(per_query), n_samples=n_bootstrap, seed=seed)
+    return {"mean": result.observed, "low": result.low, "high": result.high}
+
+
+def model_record(name: str, encoder: Encoder, dataset: BeirDataset, engines: Sequence[Engine], settings:
+                 EvaluationSettings, *, depth: int, max_tokens: int, n_bootstrap: int, seed: int) -> dict[str, Any]:
+    """Exact search, every engine and the isotropy measures of one model (see the module docstring)."""
+    settings = replace(settings, backend=engines[0].backend, k=depth)
+    index = document_store(encoder, dataset, settings)
+    exact = evaluate(encoder, dataset, replace(settings, mode="exhaustive"), name="exact", store=index)
+    samples = {head: sample_token_vectors(index, head, max_tokens, seed=seed) for head in encoder.head_names}
+    record: dict[str, Any] = {
+        "exact": {METRIC: interval({q: m[METRIC] for q, m in exact.per_query.items()}, n_bootstrap, seed)},
+        "isotropy": {head: {"none": token_isotropy(points, seed)} for head, points in samples.items()},
+        "engines": {}}
+    for engine in engines:
+        index = document_store(encoder, dataset, replace(settings, backend=engine.backend))
+        found = evaluate(encoder, dataset, replace(settings, backend=engine.backend, search=engine.search),
+                         name=engine.name, store=index)
+        recall = candidate_recall(found.run, exact.run, depth)
+        record["engines"][engine.name] = {
+            "backend": engine.backend.record(), "search_stats": found.details.get("search_stats"),
+            "transform": engine.transform, f"recall@{depth}_vs_exact": interval(recall, n_bootstrap, seed),
+            METRIC: interval({q: m[METRIC] for q, m in found.per_query.items()}, n_bootstrap, seed),
+            "search_seconds": found.details.get("search_seconds")}
+        for head, points in samples.items():
+            fitted = transform_of(index, engine, head)
+            if fitted is not None and engine.transform not in record["isotropy"][head]:
+                record["isotropy"][head][engine.transform] = token_isotropy(
+                    apply_token_transform(points, *fitted), seed)
+    print(f"[engines] {name}: " + ", ".join(
+        f"{e} recall {r[f'recall@{depth}_vs_exact']['mean']:.3f}" for e, r in record["engines"].items()),
+        file=sys.stderr, flush=True)
+    return record
+
+
+def engine_study(models: Sequence[ModelSpec], dataset: BeirDataset, out: Path, *,
+                 engines: Sequence[Engine] = DEFAULT_ENGINES, depth: int = 100, index_root: str | Path,
+                 max_tokens: int = 20_000, n_bootstrap: int = 1000, seed: int = 12345,
+                 settings: EvaluationSettings | None = None, command: str = "") -> dict[str, Any]:
+    """Every model of ``models`` on ``dataset`` (see the module docstring); writes ``engines.json``, ``engines.md``
+    and the figure into ``out``. -> the record."""
+    if not models:
+        raise UserError("the engine study needs at least one model")
+    settings = settings or EvaluationSettings(progress=False)
+    settings = replace(settings, mode="full", index_root=str(index_root), metrics=(METRIC,))
+    records = {}
+    for spec in models:
+        encoder = load_model(spec, seed)
+        with torch.inference_mode():
+            records[spec.column] = {"source": spec.source, **model_record(
+                spec.column, encoder, dataset, engines, settings, depth=depth, max_tokens=max_tokens,
+                n_bootstrap=n_bootstrap, seed=seed)}
+    record = provenance({"dataset": dataset.name, "depth": depth, "max_tokens": max_tokens,
+                         "n_bootstrap": n_bootstrap, "seed": seed, "engines": [e.name for e in engines]},
+                        command=command, n_queries=len(dataset.queries), n_docs=len(dataset.corpus), models=records)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(out / "engines.json", record)
+    figure = plot_isotropy_recall(record, out / "engines_isotropy.png")
+    write_text_atomic(out / "engines.md", "\n".join(engine_lines(record, figure.name)) + "\n")
+    return record
+
+
+def muvera_points(record: Mapping[str, Any]) -> list[tuple[str, str, float, float]]:
+    """(model, transform, average cosine the SimHash sees (the model's most anisotropic head), MUVERA recall)."""
+    depth = record["settings"]["depth"]
+    points = []
+    for model, entry in record["models"].items():
+        for engine in entry["engines"].values():
+            if engine["backend"]["class_path"].endswith("MuveraIndexConfig"):
+                transform = engine["transform"]
+                cosine = max(head[transform]["avg_cos"] for head in entry["isotropy"].values())
+                points.append((model, transform, cosine, engine[f"recall@{depth}_vs_exact"]["mean"]))
+    return points
+
+
+def plot_isotropy_recall(record: Mapping[str, Any], path: Path) -> Path:
+    from hil.analysis.plots import plot_scatter
+
+    points = muvera_points(record)
+    return plot_scatter([(f"{m} ({t})", x, y) for m, t, x, y in points], path,
+                        xlabel="average cosine of the tokens MUVERA hashes (most anisotropic head)",
+                        ylabel=f"MUVERA recall@{record['settings']['depth']} vs exact MaxSim",
+                        title=f"Isotropy and MUVERA on {record['settings']['dataset']}")
+
+
+def engine_lines(record: Mapping[str, Any], figure: str) -> list[str]:
+    """The study as Markdown: isotropy per model and head (and per transform), then every engine per model."""
+    settings, depth = record["settings"], record["settings"]["depth"]
+    lines = [f"# Isotropy x engine on {settings['dataset']} ({record['n_queries']} queries, {record['n_docs']} "
+             f"documents)", "", f"Candidate recall@{depth}: the share of exact MaxSim's top {depth} that the "
+             f"engine's top {depth} holds; 95% bootstrap intervals over queries ({settings['n_bootstrap']} samples). "
+             f"Isotropy on {settings['max_tokens']} sampled document tokens per head.", "", "## Isotropy", ""]
+    rows = []
+    for model, entry in record["models"].items():
+        for head, per_transform in entry["isotropy"].items():
+            for transform, scores in per_transform.items():
+                rows.append([model, head, transform, scores["avg_cos"], scores["I(W)"], scores["isoscore"],
+                             f"{scores['effective_rank']:.1f} / {scores['dim']}"])
+    lines += markdown_table(["Model", "head", "tokens", "avg cos", "I(W)", "IsoScore", "effective rank"], rows)
+    lines += ["", "## Engines", ""]
+    rows = []
+    for model, entry in record["models"].items():
+        exact = entry["exact"][METRIC]
+        rows.append([model, "exact", "1", _ci(exact)])
+        for name, engine in entry["engines"].items():
+            rows.append([model, name, _ci(engine[f"recall@{depth}_vs_exact"]), _ci(engine[METRIC])])
+    lines += markdown_table(["Model", "engine", f"recall@{depth} vs exact", "nDCG@10"], rows)
+    return lines + ["", f"![isotropy against MUVERA recall]({figure})"]
+
+
+def _ci(value: Mapping[str, float]) -> str:
+    return f"{fmt(value['mean'])} [{fmt(value['low'])}, {fmt(value['high'])}]"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hil engines", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", required=True, help="comma-separated name=path (exports, checkpoints, ...)")
+    parser.add_argument("--dataset", required=True, help="a BEIR name or folder")
+    parser.add_argument("--max-queries", type=int, default=None, help="a seeded slice of the queries")
+    parser.add_argument("--max-docs", type=int, default=None, help="a seeded slice of the corpus (judged kept)")
+    parser.add_argument("--out", required=True, help="output folder (engines.json, engines.md, the figure)")
+    parser.add_argument("--index-root", default="indexes", help="where the models' indexes are built or reused")
+    parser.add_argument("--depth", type=int, default=100, help="documents ranked; recall is measured at it")
+    parser.add_argument("--max-tokens", type=int, default=20_000, help="document tokens sampled for isotropy")
+    parser.add_argument("--n-bootstrap", type=int, default=1000)
+    parser.add_argument("--seed", type=int, default=12345, help="slices, token samples, bootstrap")
+    return parser
+
+
+def model_specs(text: str) -> list[ModelSpec]:
+    specs = []
+    for part in filter(None, text.split(",")):
+        name, sep, path = part.partition("=")
+        if not sep or not name or not path:
+            raise UserError(f"--models: name=path expected, got {part!r}")
+        specs.append(ModelSpec(path, name=name))
+    return specs
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command; -> its exit status (2 and one line for a user error)."""
+    return exit_status("hil engines", lambda: run_command(argv))
+
+
+def run_command(argv: list[str] | None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.depth < 1 or args.max_tokens < 2:
+        raise UserError("--depth must be >= 1 and --max-tokens >= 2")
+    models = model_specs(args.models)
+    dataset = load_beir(args.dataset)
+    if args.max_queries or args.max_docs:
+        dataset = dataset.subset(args.max_queries, args.max_docs, seed=args.seed)
+    engine_study(models, dataset, Path(args.out), depth=args.depth, index_root=args.index_root,
+                 max_tokens=args.max_tokens, n_bootstrap=args.n_bootstrap, seed=args.seed,
+                 command="hil engines " + " ".join(argv if argv is not None else sys.argv[1:]))
+    print(Path(args.out) / "engines.md")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

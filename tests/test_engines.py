@@ -1,0 +1,65 @@
+"""The isotropy x engine study: candidate recall against a hand count, and the study end to end on a slice (an
+engine that scores every document finds exact search's ranking; the centered tokens' isotropy is that of the
+tokens minus the mean of every stored token, computed here from the index's vectors)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from hil.data.beir import load_beir
+from hil.evaluation.experiment import ModelSpec
+from hil.experiments.engines import Engine, candidate_recall, engine_study, muvera_points, top_documents
+from hil.isotropy.metrics import avg_cos
+from hil.retrieval.backends.configs import MuveraIndexConfig, MuveraSearchConfig
+from hil.retrieval.index import TokenIndex
+
+
+def test_top_documents_break_ties_by_descending_id():
+    assert top_documents({"a": 1.0, "b": 2.0, "c": 1.0, "d": 0.5}, 3) == ["b", "c", "a"]
+    assert top_documents({}, 3) == []
+
+
+def test_candidate_recall_counts_the_exact_top_depth_found():
+    exact = {"q1": {"a": 3.0, "b": 2.0, "c": 1.0, "d": 0.0}, "q2": {"a": 1.0, "b": 0.5}, "q3": {}}
+    run = {"q1": {"a": 9.0, "c": 8.0, "d": 7.0}, "q2": {"x": 1.0}}
+    # q1: exact top 2 {a, b}, run top 2 {a, c} -> 1/2; q2: {a, b} vs {x} -> 0; q3 has no exact documents: left out
+    assert candidate_recall(run, exact, 2) == {"q1": 0.5, "q2": 0.0}
+    assert candidate_recall(exact, exact, 3) == {"q1": 1.0, "q2": 1.0}
+
+
+@pytest.mark.integration
+def test_engine_study_on_a_slice(tiny_model_dir, tmp_path):
+    dataset = load_beir("scifact").subset(6, 60, seed=1)
+    engines = (Engine("all", MuveraIndexConfig(), MuveraSearchConfig(n_candidates=1000)),
+               Engine("few, centered", MuveraIndexConfig(transform="center"), MuveraSearchConfig(n_candidates=2)))
+    record = engine_study([ModelSpec(str(tiny_model_dir), name="tiny", dim=16)], dataset, tmp_path / "out",
+                          engines=engines, depth=10, index_root=tmp_path / "indexes", max_tokens=500,
+                          n_bootstrap=50)
+    model = record["models"]["tiny"]
+    every = model["engines"]["all"]
+    assert every["recall@10_vs_exact"] == {"mean": 1.0, "low": 1.0, "high": 1.0}
+    assert every["ndcg@10"]["mean"] == pytest.approx(model["exact"]["ndcg@10"]["mean"])
+    few = model["engines"]["few, centered"]
+    assert few["recall@10_vs_exact"]["mean"] <= 0.2 + 1e-9  # 2 candidates can hold at most 2 of the exact top 10
+    assert few["search_stats"]["search"]["n_candidates"] == 2 and few["search_stats"]["candidates_max"] == 2
+    # the centered tokens, by hand: every stored token of the head minus their mean, normalized, on the same sample
+    (index_dir,) = [p.parent for p in (tmp_path / "indexes").rglob("index.json")]
+    index = TokenIndex.load(index_dir)
+    head = next(iter(model["isotropy"]))
+    stored = np.asarray(index.embeddings[head][:], dtype=np.float64)
+    from hil.retrieval.transformed import sample_token_vectors
+
+    sample = sample_token_vectors(index, head, 500, seed=12345).double()
+    centered = torch.nn.functional.normalize(sample - torch.from_numpy(stored.mean(axis=0)), dim=-1)
+    assert model["isotropy"][head]["center"]["avg_cos"] == pytest.approx(float(avg_cos(centered)), abs=1e-4)
+    assert model["isotropy"][head]["none"]["avg_cos"] == pytest.approx(float(avg_cos(sample)), abs=1e-6)
+    points = muvera_points(record)
+    assert [(m, t) for m, t, _, _ in points] == [("tiny", "none"), ("tiny", "center")]
+    assert (tmp_path / "out" / "engines_isotropy.png").is_file()
+    text = (tmp_path / "out" / "engines.md").read_text()
+    assert "| tiny | all | 1.0000 [1.0000, 1.0000] |" in text
+    assert json.loads((tmp_path / "out" / "engines.json").read_text())["settings"]["depth"] == 10
