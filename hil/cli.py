@@ -26,7 +26,7 @@ from lightning_fabric.utilities.exceptions import MisconfigurationException  # n
 from pytorch_lightning.cli import LightningArgumentParser, LightningCLI  # noqa: E402
 
 from hil.data.datamodule import TriplesDataModule  # noqa: E402
-from hil.data.errors import DEBUG_ENV, MissingInputError, UserError, one_line  # noqa: E402
+from hil.data.errors import DEBUG_ENV, MissingInputError, UserError, check_output_path, one_line  # noqa: E402
 from hil.data.errors import user_error as _user_error  # noqa: E402
 from hil.data.tokenization import MarkerTokenError  # noqa: E402
 from hil.modeling.callbacks import NonFiniteGuard, NonFiniteLossError, ProgressLines, StepReseed  # noqa: E402
@@ -120,6 +120,8 @@ class HILCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         config = self.config.get(self.subcommand) if self.subcommand else self.config
+        if config.get("export_dir"):  # before training: the export is written only after it
+            check_output_path(config["export_dir"], "--export_dir", folder=True)
         if config.get("float32_matmul_precision"):
             torch.set_float32_matmul_precision(config["float32_matmul_precision"])
         # Off a terminal the progress lines replace the bar (whose redraws a file keeps as one endless line), unless

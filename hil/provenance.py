@@ -250,6 +250,9 @@ def replace_directory(source: str | os.PathLike, target: str | os.PathLike) -> N
     cannot be renamed onto a non-empty one): a reader finds the old folder, no folder, or the new one, never a
     mix. What a writer killed in between leaves aside is removed by the next one."""
     source, target = Path(source), Path(target)
+    if target.exists() and not target.is_dir():  # a file the user keeps there: never renamed aside or removed
+        raise FileExistsError(f"{target}: a file is there, not a folder; nothing was replaced (the result is in "
+                              f"{source})")
     remove_dead_writers_leftovers(target)
     if not target.exists():
         os.replace(source, target)

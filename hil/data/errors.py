@@ -41,6 +41,22 @@ class MissingInputError(UserError, FileNotFoundError):
     looked for."""
 
 
+def check_output_path(path: str | os.PathLike, option: str, *, folder: bool) -> None:
+    """Refuse, before any work, an output that cannot be written where the user pointed it: a file where a folder
+    is written (``folder=True``) or a folder where a file is, or a parent path that is a file. Nothing exists yet,
+    so nothing is renamed or left half-written."""
+    target = Path(path).expanduser()
+    if target.exists() and target.is_dir() != folder:
+        what, wanted = ("a file", "a folder") if folder else ("a folder", "a file")
+        raise UserError(f"{option} {path}: {what} is there; {wanted} is written at this path (give another path or "
+                        "remove it)")
+    for parent in target.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise UserError(f"{option} {path}: {parent} is a file, not a folder")
+            break
+
+
 class DataFormatError(UserError):
     """Bad input data: ``str(err)`` is ``"path:line: reason"``, or ``"path: reason"`` when no line applies."""
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from hil.data.errors import UserError
+from hil.data.errors import UserError, check_output_path
 from hil.evaluation.evaluate import EvaluationSettings, run_name
 from hil.evaluation.statistics import P_ADJUST_METHODS
 from hil.modeling.contracts import Encoder
@@ -197,6 +197,7 @@ class Experiment:
             raise UserError("folders='flat' writes one dataset's files into the output folder: give one dataset")
         if not self.datasets:
             raise UserError("an experiment needs at least one dataset")
+        check_output_path(self.output, "output", folder=True)
         names = [model.column for model in self.models]
         for name in names:
             if name.lower() == BASELINE:

@@ -39,6 +39,8 @@ README = "README.md"
 BEGIN = re.compile(r"^<!-- table: (?P<name>[\w-]+)\b.*-->$")
 END = "<!-- /table -->"
 PAPER_SUMMARY = "docs/paper-cpu-fidelity/summary.json"
+SEEDS_TABLE = "docs/seeds-cpu/seeds.json"
+ENGINES_TABLE = "docs/engines-scifact/engines.json"
 
 
 @dataclass(frozen=True)
@@ -175,10 +177,36 @@ def render_distill_cpu(root: Path) -> list[str]:
     return [*main_lines(table), "", legend, "", *detail_lines(table)]
 
 
+def render_seeds_cpu(root: Path) -> list[str]:
+    """HIL against seed noise (issue 30): ``hil paper --seeds``'s ``seeds.json``, nDCG@10 per dataset, with the
+    plain statements, rendered by the seed report's own renderers."""
+    from hil.experiments.seed_report import seed_lines, statement_lines
+
+    record = read_json(root, SEEDS_TABLE)
+    if record is None:
+        raise UserError(f"{root / SEEDS_TABLE}: not found (README, 'Seeds': hil paper --seeds ... --publish "
+                        "docs/seeds-cpu writes it)")
+    tables, seeds = _field(record, SEEDS_TABLE, "tables"), _field(record, SEEDS_TABLE, "settings", "seeds")
+    return [*statement_lines(tables), "", *seed_lines(tables, seeds, metrics=("ndcg@10",))]
+
+
+def render_engines(root: Path) -> list[str]:
+    """The isotropy x engine study (issue 30): ``hil engines``'s ``engines.json``, rendered by its own renderer."""
+    from hil.experiments.engines import engine_lines
+
+    record = read_json(root, ENGINES_TABLE)
+    if record is None:
+        raise UserError(f"{root / ENGINES_TABLE}: not found (README, 'Isotropy and engines': hil engines --out "
+                        f"{Path(ENGINES_TABLE).parent} writes it)")
+    return engine_lines(record, f"{Path(ENGINES_TABLE).parent}/engines_isotropy.png")[2:]
+
+
 TABLES: dict[str, Callable[[Path], list[str]]] = {
     "paper-cpu-fidelity": render_paper_cpu_fidelity,
     "measured-here": render_measured_here,
     "distill-cpu": render_distill_cpu,
+    "seeds-cpu": render_seeds_cpu,
+    "engines": render_engines,
 }
 
 

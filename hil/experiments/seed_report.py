@@ -51,9 +51,9 @@ def seed_records(out: Path, seeds: Sequence[int], p_adjust: str = "holm") -> dic
     return tables
 
 
-def seed_lines(tables: dict[str, Any], seeds: Sequence[int]) -> list[str]:
-    """Per dataset and metric: each variant's seeds, mean +- sd, range; against ColBERT: the mean difference,
-    per-seed signs, both tests (raw and adjusted) and the verdict."""
+def seed_lines(tables: dict[str, Any], seeds: Sequence[int], metrics: Sequence[str] | None = None) -> list[str]:
+    """Per dataset and metric (``metrics``: only those): each variant's seeds, mean +- sd, range; against ColBERT:
+    the mean difference, per-seed signs, both tests (raw and adjusted) and the verdict."""
     lines = [f"Seeds {', '.join(map(str, seeds))}. Tests against ColBERT: *queries* = paired t-test over queries of "
              "per-query means over seeds (scipy `ttest_rel`); *seeds* = one-sample t-test of the per-seed differences "
              f"(scipy `ttest_1samp`, df = n_seeds - 1). Verdict: *exceeds seed noise* when every seed agrees in sign "
@@ -61,6 +61,8 @@ def seed_lines(tables: dict[str, Any], seeds: Sequence[int]) -> list[str]:
              "dataset and metric (each test apart).", ""]
     for key, per_metric in tables.items():
         for metric, table in per_metric.items():
+            if metrics is not None and metric not in metrics:
+                continue
             method = table["p_adjust"]
             lines += [f"### {DATASET_LABELS.get(key, key)}, {metric} ({table['n_queries']} queries)", ""]
             rows = []
@@ -85,6 +87,24 @@ def seed_lines(tables: dict[str, Any], seeds: Sequence[int]) -> list[str]:
     return lines
 
 
+def statement_lines(tables: dict[str, Any], metric: str = "ndcg@10") -> list[str]:
+    """Per dataset, one plain sentence per variant: its mean difference to ColBERT, the seeds' signs and the verdict
+    (numbers from ``tables`` only)."""
+    lines = []
+    for key, per_metric in tables.items():
+        table = per_metric.get(metric)
+        if table is None:
+            continue
+        parts = []
+        for name, c in table["comparisons"].items():
+            label = VARIANTS.get(name, CORPUS_IDF.get(name, (None, name)))[1]
+            parts.append(f"{label} {c['mean_difference']:+.4f} (seeds {c['signs']}, p seeds "
+                         f"{table['p_adjust']} {fmt(c['p_t_test_seeds_adjusted'], 2)}): {c['verdict']}")
+        lines.append(f"- **{DATASET_LABELS.get(key, key)}** ({metric} against ColBERT, "
+                     f"ColBERT's seed sd {fmt(table['spread'][REFERENCE]['sd'])}): " + "; ".join(parts) + ".")
+    return lines
+
+
 def write_seed_report(out: Path, profile: Profile, seeds: Sequence[int], *, command: str = "") -> Path:
     """``seeds.json`` and ``seeds.md`` in ``out`` from the per-seed runs. -> the Markdown path."""
     tables = seed_records(out, seeds, p_adjust=profile.p_adjust)
@@ -92,7 +112,8 @@ def write_seed_report(out: Path, profile: Profile, seeds: Sequence[int], *, comm
         raise UserError(f"{out}: no dataset has ColBERT and another variant under every seed {list(seeds)}")
     write_json_atomic(out / "seeds.json", provenance({"profile": profile.name, "seeds": list(seeds)},
                                                      command=command, tables=tables))
-    lines = [f"# HIL (001) over training seeds, profile `{profile.name}`", "", *seed_lines(tables, seeds)]
+    lines = [f"# HIL (001) over training seeds, profile `{profile.name}`", "", *statement_lines(tables), "",
+             *seed_lines(tables, seeds)]
     path = out / "seeds.md"
     write_text_atomic(path, "\n".join(lines) + "\n")
     return path

@@ -48,7 +48,7 @@ from transformers.utils import logging as transformers_logging
 
 from hil.data.beir import BeirDataset, load_beir, load_collection_tsv, load_topics_tsv
 from hil.data.bm25 import BM25Index
-from hil.data.errors import MissingInputError, OneLineArgumentParser, UserError, exit_status
+from hil.data.errors import MissingInputError, OneLineArgumentParser, UserError, check_output_path, exit_status
 from hil.data.id_texts import integer_id
 from hil.data.option_files import parse_with_option_files
 from hil.data.run_examples import read_qrels
@@ -308,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quiet:
         transformers_logging.disable_progress_bar()
     def make_and_report() -> int:
+        check_output_path(args.output, "--output", folder=False)  # before mining and scoring, not after
         record = run(args)
         counts = record["counts"]
         print(f"wrote {counts['written']} of {counts['queries']} queries to {record['files']['examples']} "

@@ -1,0 +1,74 @@
+"""Outputs checked when a command starts (issue 31): a file where a folder is written, a folder where a file is,
+refused at once with one line and exit 2, the user's file untouched and nothing half-written; the folder
+replacement never renames a user's file aside."""
+
+from __future__ import annotations
+
+import pytest
+
+from hil.data.errors import UserError, check_output_path
+from hil.provenance import replace_directory
+
+
+def test_check_output_path(tmp_path):
+    (tmp_path / "file.txt").write_text("mine")
+    (tmp_path / "folder").mkdir()
+    check_output_path(tmp_path / "new" / "deeper", "--out", folder=True)  # not there yet: fine
+    check_output_path(tmp_path / "folder", "--out", folder=True)
+    check_output_path(tmp_path / "file.txt", "--out", folder=False)
+    with pytest.raises(UserError, match="--out .*file.txt: a file is there; a folder is written"):
+        check_output_path(tmp_path / "file.txt", "--out", folder=True)
+    with pytest.raises(UserError, match="a folder is there; a file is written"):
+        check_output_path(tmp_path / "folder", "--out", folder=False)
+    with pytest.raises(UserError, match="file.txt is a file, not a folder"):
+        check_output_path(tmp_path / "file.txt" / "sub", "--out", folder=True)
+
+
+def test_replace_directory_never_moves_a_users_file(tmp_path):
+    source, target = tmp_path / "built", tmp_path / "target"
+    source.mkdir()
+    (source / "weights").write_text("new")
+    target.write_text("the user's notes")
+    with pytest.raises(FileExistsError):
+        replace_directory(source, target)
+    assert target.read_text() == "the user's notes" and (source / "weights").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["built", "target"]
+
+
+def test_fit_refuses_an_export_dir_that_is_a_file_before_training(shared_dir, tmp_path, capsys):
+    from hil.cli import train_main
+
+    mine = tmp_path / "mine.txt"
+    mine.write_text("keep me")
+    with pytest.raises(SystemExit) as exit_info:
+        train_main(["fit", "--config", "colbert", "--config", "presets/smoke", "--trainer.default_root_dir",
+                    str(tmp_path / "run"), "--export_dir", str(mine)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--export_dir" in err[0] and "a file is there" in err[0]
+    assert mine.read_text() == "keep me" and sorted(p.name for p in tmp_path.iterdir()) == ["mine.txt"]
+
+
+def test_hil_evaluate_refuses_an_output_that_is_a_file(shared_dir, tmp_path, capsys):
+    from hil.console import main as hil_main
+
+    mine = tmp_path / "results.json"
+    mine.write_text("{}")
+    assert hil_main(["evaluate", "--model", str(shared_dir / "models" / "bert-tiny-splade"), "--dataset", "scifact",
+                     "--output", str(mine)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "output" in err[0] and "a file is there" in err[0] and mine.read_text() == "{}"
+
+
+def test_teacher_refuses_an_output_that_is_a_folder_before_mining(tmp_path, capsys):
+    from hil.experiments import teacher
+
+    (tmp_path / "out").mkdir()
+    queries, collection = tmp_path / "q.tsv", tmp_path / "c.tsv"
+    queries.write_text("1\tquery one\n")
+    collection.write_text("10\tpassage ten\n")
+    assert teacher.main(["--queries", str(queries), "--collection", str(collection), "--output",
+                         str(tmp_path / "out"), "--teacher", "no-such-teacher", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--output" in err[0] and "a folder is there" in err[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.tsv", "out", "q.tsv"]
