@@ -72,3 +72,25 @@ def test_teacher_refuses_an_output_that_is_a_folder_before_mining(tmp_path, caps
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--output" in err[0] and "a folder is there" in err[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.tsv", "out", "q.tsv"]
+
+
+def test_a_misspelled_dataset_is_refused_at_once_with_the_close_names(shared_dir, monkeypatch):
+    import time
+
+    from hil.data import beir
+
+    def no_hub(*args, **kwargs):
+        raise AssertionError("the hub must not be tried for a misspelled name")
+
+    monkeypatch.setattr(beir, "_load_hub", no_hub)
+    started = time.perf_counter()
+    with pytest.raises(UserError, match="'scifcat'.*did you mean 'scifact'"):
+        beir.load_beir("scifcat")
+    with pytest.raises(UserError, match="did you mean 'nfcorpus'"):
+        beir.load_beir("nfcorpsu")
+    assert time.perf_counter() - started < 5
+    tried = []
+    monkeypatch.setattr(beir, "_load_hub", lambda name, *a: tried.append(name))
+    beir.load_beir("cqadupstack-android")  # a BEIR name with its forum, and a name close to nothing: to the hub
+    beir.load_beir("my-own-collection")
+    assert tried == ["cqadupstack-android", "my-own-collection"]

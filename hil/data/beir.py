@@ -246,4 +246,28 @@ def load_beir(name_or_path: str | os.PathLike, split: str = "test", data_dir: st
     if not isinstance(name_or_path, str) or _looks_like_path(text):
         raise MissingInputError(f"{text}: no such dataset folder")
     name = text.split("/", 1)[1] if text.lower().startswith("beir/") else text
+    check_not_misspelled(name, data_dir)
     return _load_hub(name, split, judged_outside_corpus, relevance_level)
+
+
+# The BEIR datasets (Thakur et al. 2021, Table 1) by their names on the hub and in the BEIR zips.
+BEIR_NAMES = ("msmarco", "trec-covid", "nfcorpus", "bioasq", "nq", "hotpotqa", "fiqa", "signal1m", "trec-news",
+              "robust04", "arguana", "webis-touche2020", "cqadupstack", "quora", "dbpedia-entity", "scidocs", "fever",
+              "climate-fever", "scifact")
+
+
+def check_not_misspelled(name: str, data_dir: str | os.PathLike | None = None) -> None:
+    """Refuse at once a name that is not a BEIR dataset nor a local folder but close to one (``scifcat``), naming
+    the close ones, instead of the hub's retries (half a minute offline) ending in "not found". A name close to
+    nothing is still tried on the hub."""
+    import difflib
+
+    lowered = name.lower()
+    if lowered in BEIR_NAMES or any(lowered.startswith(f"{known}-") for known in BEIR_NAMES):
+        return
+    root = Path(data_dir or os.environ.get(DATA_DIR_ENV) or ".")
+    local = [p.name for folder in (root, root / "beir") if folder.is_dir() for p in folder.iterdir() if p.is_dir()]
+    close = difflib.get_close_matches(lowered, [*BEIR_NAMES, *local], n=3, cutoff=0.75)
+    if close:
+        raise MissingInputError(f"dataset {name!r}: not a BEIR dataset nor a folder under ${DATA_DIR_ENV} "
+                                f"({root}); did you mean {' or '.join(map(repr, close))}?")
