@@ -94,3 +94,18 @@ def test_a_misspelled_dataset_is_refused_at_once_with_the_close_names(shared_dir
     beir.load_beir("cqadupstack-android")  # a BEIR name with its forum, and a name close to nothing: to the hub
     beir.load_beir("my-own-collection")
     assert tried == ["cqadupstack-android", "my-own-collection"]
+
+
+def test_ctrl_c_is_one_line_and_status_130(capsys, monkeypatch):
+    from hil.data.errors import DEBUG_ENV, exit_status
+
+    def interrupted() -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.delenv(DEBUG_ENV, raising=False)
+    assert exit_status("hil evaluate", interrupted) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("hil evaluate: interrupted")
+    monkeypatch.setenv(DEBUG_ENV, "1")
+    with pytest.raises(KeyboardInterrupt):
+        exit_status("hil evaluate", interrupted)

@@ -113,9 +113,15 @@ class OneLineArgumentParser(argparse.ArgumentParser):
 
 def exit_status(prog: str, run: Callable[[], int], also: tuple[type[BaseException], ...] = ()) -> int:
     """``run()``'s exit status; a user error (:func:`user_error`) becomes one line on stderr, ``<prog>: error:
-    <message>``, and status 2 (``HIL_DEBUG=1`` raises it with its traceback). Anything else (a bug) propagates."""
+    <message>``, and status 2; Ctrl-C one line and status 130 (``HIL_DEBUG=1`` raises either with its traceback).
+    Anything else (a bug) propagates."""
     try:
         return run()
+    except KeyboardInterrupt:  # Ctrl-C: what was written is whole (atomic writes); say so in one line
+        if os.environ.get(DEBUG_ENV):
+            raise
+        print(f"{prog}: interrupted (files are written whole or not at all; a rerun resumes)", file=sys.stderr)
+        return 130
     except Exception as error:
         shown = None if os.environ.get(DEBUG_ENV) else user_error(error, also)
         if shown is None:
