@@ -5,7 +5,7 @@
     hil evaluate --config eval/scifact --model runs/demo/export    # an experiment: datasets x models x settings
     hil evaluate --model M --dataset scifact --config eval/plaid --print_config
     hil index --model M --dataset scifact --settings.backend plaid # build (or check and reuse) the index only
-    hil search --model M --dataset scifact --run run.trec           # one model's run, written as a TREC file
+    hil search --model M --dataset scifact --output run.trec        # one model's run, written as a TREC file
     hil beir | paper | analyze | share | teacher | engines ...      # the experiments and tools
 
 ``hil evaluate`` parses an :class:`~hil.evaluation.experiment.Experiment` (datasets, models, evaluation settings

@@ -109,3 +109,22 @@ def test_ctrl_c_is_one_line_and_status_130(capsys, monkeypatch):
     monkeypatch.setenv(DEBUG_ENV, "1")
     with pytest.raises(KeyboardInterrupt):
         exit_status("hil evaluate", interrupted)
+
+
+def test_every_example_of_hil_help_parses(shared_dir, capsys):
+    """Each ``hil <command> ...`` line of the help text (the console's docstring) is accepted as written: its
+    options resolve (``--print_config``, exit 0), the training one included."""
+    import re
+
+    import hil.console as console
+
+    examples = [line.split("#")[0].split() for line in console.__doc__.splitlines()
+                if re.match(r"\s+hil (fit|evaluate|index|search) ", line)]
+    assert len(examples) >= 5
+    for words in examples:
+        argv = [w for w in words[1:] if w != "--print_config"] + ["--print_config"]
+        try:
+            status = console.main(argv)
+        except SystemExit as exit_:  # LightningCLI's --print_config exits
+            status = exit_.code or 0
+        assert status == 0, (words, capsys.readouterr().err[-300:])
