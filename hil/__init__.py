@@ -9,7 +9,7 @@ one-way.
 
 from typing import Any
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"  # the one version source: pyproject.toml reads it (tool.setuptools.dynamic)
 API = ("load_model", "encode_queries", "encode_documents", "score", "build_index", "open_index", "search",
        "evaluate_run", "load_dataset", "export_model", "push_to_hub", "write_model_card")
 __all__ = ["__version__", *API]

@@ -128,3 +128,16 @@ def test_every_example_of_hil_help_parses(shared_dir, capsys):
         except SystemExit as exit_:  # LightningCLI's --print_config exits
             status = exit_.code or 0
         assert status == 0, (words, capsys.readouterr().err[-300:])
+
+
+def test_one_version_source():
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+
+    import hil
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert "version" not in project["project"] and "version" in project["project"]["dynamic"]
+    assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "hil.__version__"}
+    assert hil.__version__ == "0.2.0"
