@@ -254,3 +254,26 @@ def test_select_puts_the_positive_first_and_no_other_positive_after():
     assert teacher.select("q", candidates, scores, "b", 6, inputs, 1) is None  # 4 negatives for 5 places
     assert teacher.select("q", candidates, scores, "b", 5, inputs, 2) == [("b", 1.0), ("d", 6.0), ("a", 5.0),
                                                                           ("c", 4.0), ("f", 4.0)]  # grade 1 < 2
+
+
+def test_progress_is_reported_and_changes_no_score(tmp_path, texts, cross_encoder, capsys, monkeypatch):
+    """Without --quiet the teacher says what it mines and how far the scoring got (lines off a terminal, rate and
+    ETA); scoring a chunk of queries at a time gives the scores of one call for every query, to float rounding (a
+    cross-encoder's batches pad otherwise)."""
+    from hil.experiments import teacher as module
+
+    quiet, loud = tmp_path / "quiet.jsonl", tmp_path / "loud.jsonl"
+    assert run_teacher(texts, quiet, "--teacher", str(cross_encoder), "--depth", "5", "--nway", "4") == 0
+    capsys.readouterr()
+    monkeypatch.setattr(module, "SCORE_CHUNK", 1)
+    assert module.main(["--queries", str(texts["queries"]), "--collection", str(texts["collection"]),
+                        "--output", str(loud), "--device", "cpu", "--teacher", str(cross_encoder), "--depth", "5",
+                        "--nway", "4"]) == 0
+    err = capsys.readouterr().err
+    assert f"[teacher] mining {len(QUERIES)} queries with bm25 (depth 5)" in err and "[teacher] mined in" in err
+    assert "teacher: 100%" in err and f"{len(QUERIES)}/{len(QUERIES)}" in err
+    loud_lines, quiet_lines = written(loud), written(quiet)
+    assert loud_lines.keys() == quiet_lines.keys()
+    for qid, pairs in quiet_lines.items():
+        assert [p for p, _ in loud_lines[qid]] == [p for p, _ in pairs]
+        assert [s for _, s in loud_lines[qid]] == pytest.approx([s for _, s in pairs], abs=1e-6)

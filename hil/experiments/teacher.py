@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,12 +60,16 @@ from hil.modeling.loading import load_encoder
 from hil.paths import resolve_data_file
 from hil.provenance import atomic_output, provenance
 from hil.retrieval.devices import resolve_device
+from hil.retrieval.progress import progress_bar
 from hil.retrieval.search import exact_rank
 from hil.retrieval.full_ranking import full_rank
 
 PROG = "python -m hil.experiments.teacher"
 FORMATS = ("colbert", "pylate", "trec")
 POSITIVE_OPTIONS = ("depth", "batch_size", "max_queries", "max_length", "relevance_level")
+# Queries scored per call of the teacher: the progress bar's step. Scores equal one call's to float rounding (a
+# cross-encoder's length-sorted batches then pad otherwise).
+SCORE_CHUNK = 64
 _LINE_BREAKS = str.maketrans({"\n": " ", "\r": " "})
 
 
@@ -276,15 +281,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise UserError("no queries to mine for")
     teacher: Teacher = load_teacher(args.teacher, args.teacher_kind, device, args.batch_size, args.max_length,
                                     not args.quiet)  # before mining: a wrong teacher fails fast
+    say = (lambda message: None) if args.quiet else (lambda message: print(f"[teacher] {message}", file=sys.stderr,
+                                                                            flush=True))
+    say(f"mining {len(inputs.queries)} queries with {args.miner} (depth {args.depth}) over "
+        f"{len(inputs.documents)} documents")
+    started = time.perf_counter()
     mined, miner = mine(args, inputs, device)
+    say(f"mined in {time.perf_counter() - started:.1f} s; scoring with {args.teacher}")
     level, candidates, positives = args.relevance_level, {}, {}
     for qid, docs in mined.items():
         positive = judged_positive(qid, docs, inputs, level) if args.positives == "first" else None
         positives[qid] = positive
         candidates[qid] = docs + ([positive] if positive is not None and positive not in docs else [])
     scored = [qid for qid in inputs.queries if candidates[qid] and (args.positives == "none" or positives[qid])]
-    scores = teacher.score({qid: inputs.queries[qid] for qid in scored}, {qid: candidates[qid] for qid in scored},
-                           inputs.documents)
+    scores: dict[str, list[float]] = {}
+    bar = progress_bar(len(scored), "teacher", "queries", enabled=not args.quiet)  # rate and ETA; lines off a TTY
+    for start in range(0, len(scored), SCORE_CHUNK):
+        chunk = scored[start: start + SCORE_CHUNK]
+        scores.update(teacher.score({qid: inputs.queries[qid] for qid in chunk},
+                                    {qid: candidates[qid] for qid in chunk}, inputs.documents))
+        bar.update(len(chunk))
+    bar.close()
     lines = {}
     for qid in scored:
         line = select(qid, candidates[qid], scores[qid], positives[qid], args.nway, inputs, level)
