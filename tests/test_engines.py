@@ -61,5 +61,5 @@ def test_engine_study_on_a_slice(tiny_model_dir, tmp_path):
     assert [(m, t) for m, t, _, _ in points] == [("tiny", "none"), ("tiny", "center")]
     assert (tmp_path / "out" / "engines_isotropy.png").is_file()
     text = (tmp_path / "out" / "engines.md").read_text()
-    assert "| tiny | all | 1.0000 [1.0000, 1.0000] |" in text
+    assert "| tiny | all | 60 | 1.0000 [1.0000, 1.0000] |" in text
     assert json.loads((tmp_path / "out" / "engines.json").read_text())["settings"]["depth"] == 10

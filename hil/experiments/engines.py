@@ -211,10 +211,11 @@ def engine_lines(record: Mapping[str, Any], figure: str) -> list[str]:
     rows = []
     for model, entry in record["models"].items():
         exact = entry["exact"][METRIC]
-        rows.append([model, "exact", "1", _ci(exact)])
+        rows.append([model, "exact", "all", "1", _ci(exact)])
         for name, engine in entry["engines"].items():
-            rows.append([model, name, _ci(engine[f"recall@{depth}_vs_exact"]), _ci(engine[METRIC])])
-    lines += markdown_table(["Model", "engine", f"recall@{depth} vs exact", "nDCG@10"], rows)
+            rows.append([model, name, fmt((engine.get("search_stats") or {}).get("candidates_mean"), 0),
+                         _ci(engine[f"recall@{depth}_vs_exact"]), _ci(engine[METRIC])])
+    lines += markdown_table(["Model", "engine", "candidates / query", f"recall@{depth} vs exact", "nDCG@10"], rows)
     return lines + ["", f"![isotropy against MUVERA recall]({figure})"]
 
 
