@@ -135,8 +135,10 @@ def test_the_seed_is_part_of_a_columns_identity(tiny_model_dir, tmp_path):
 
 
 def test_the_training_seed_goes_to_training_only():
+    from dataclasses import replace
+
     profile = PROFILES["smoke"]
-    seeded_profile = type(profile)(**{**profile.__dict__, "train_seed": 7})
+    seeded_profile = replace(profile, train_seed=7)
     args = seeded_profile.config_args("hil")
     assert args[args.index("--seed_everything") + 1] == "7" and seeded_profile.training.seed == 7
     assert "--seed_everything" not in profile.config_args("hil")
