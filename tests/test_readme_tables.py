@@ -36,7 +36,7 @@ def committed_copy(root: Path) -> Path:
 def test_the_readme_tables_are_the_rendering_of_the_committed_results_files(tmp_path):
     root = committed_copy(tmp_path)
     text = (root / README).read_text(encoding="utf-8")
-    assert set(table_blocks(text)) == {"paper-cpu-fidelity", "measured-here", "distill-cpu"}
+    assert set(table_blocks(text)) == {"paper-cpu-fidelity", "measured-here", "distill-cpu", "seeds-cpu", "engines"}
     new, changed = rendered(text, root)
     assert changed == [], (f"README.md tables {changed} differ from their results files: run "
                            "python -m hil.experiments.readme_tables --write")
