@@ -63,3 +63,70 @@ def test_engine_study_on_a_slice(tiny_model_dir, tmp_path):
     text = (tmp_path / "out" / "engines.md").read_text()
     assert "| tiny | all | 60 | 1.0000 [1.0000, 1.0000] |" in text
     assert json.loads((tmp_path / "out" / "engines.json").read_text())["settings"]["depth"] == 10
+
+
+def test_models_given_with_seeds_are_trainings_of_one_method():
+    from hil.data.errors import UserError
+    from hil.experiments.engines import model_specs
+
+    specs = model_specs("A@1=/a1,A@2=/a2,B=/b")
+    assert [(s.column, s.method, s.seed, s.source) for s in specs] == [
+        ("A (seed 1)", "A", 1, "/a1"), ("A (seed 2)", "A", 2, "/a2"), ("B", None, None, "/b")]
+    for bad in ("A@x=/a", "A@=/a", "=/a", "A"):
+        with pytest.raises(UserError, match="name@seed=path"):
+            model_specs(bad)
+
+
+def _entry(method, seed, cos_heads, recalls):
+    return {"method": method, "seed": seed, "isotropy": {h: {"none": {"avg_cos": c}} for h, c in cos_heads.items()},
+            "engines": {name: {"recall@100_vs_exact": {"mean": r}} for name, r in recalls.items()}}
+
+
+def test_seed_summary_against_hand_computed_spread():
+    from statistics import mean, stdev
+
+    from hil.experiments.engines import engine_lines, seed_summary
+
+    models = {"A (seed 1)": _entry("A", 1, {"L": 0.1, "H": 0.3}, {"MUVERA": 0.5, "PLAID": 0.8}),
+              "A (seed 2)": _entry("A", 2, {"L": 0.2, "H": 0.1}, {"MUVERA": 0.6, "PLAID": 0.9}),
+              "A (seed 3)": _entry("A", 3, {"L": 0.4, "H": 0.0}, {"MUVERA": 0.4, "PLAID": 0.7}),
+              "B (seed 1)": _entry("B", 1, {"c": 0.5}, {"MUVERA": 0.1, "PLAID": 0.1}),  # one seed: no summary
+              "C": _entry(None, None, {"c": 0.5}, {"MUVERA": 0.1, "PLAID": 0.1})}
+    record = {"settings": {"depth": 100}, "models": models}
+    summary = seed_summary(record)
+    assert list(summary) == ["A"] and summary["A"]["n_seeds"] == 3
+    cosines = [0.3, 0.2, 0.4]  # the most anisotropic head of each seed
+    assert summary["A"]["avg_cos"]["mean"] == pytest.approx(mean(cosines))
+    assert summary["A"]["avg_cos"]["sd"] == pytest.approx(stdev(cosines))
+    muvera = summary["A"]["engines"]["MUVERA"]
+    assert (muvera["mean"], muvera["sd"], muvera["min"], muvera["max"]) == pytest.approx(
+        (0.5, stdev([0.5, 0.6, 0.4]), 0.4, 0.6))
+    assert summary["A"]["engines"]["PLAID"]["mean"] == pytest.approx(0.8)
+
+
+@pytest.mark.integration
+def test_engine_study_reuses_unchanged_models_and_remeasures_changed_ones(tiny_model_dir, tmp_path, monkeypatch,
+                                                                        capsys):
+    import hil.experiments.engines as engines_module
+
+    dataset = load_beir("scifact").subset(4, 40, seed=1)
+    engines = (Engine("all", MuveraIndexConfig(), MuveraSearchConfig(n_candidates=1000)),)
+    kwargs = dict(engines=engines, depth=5, index_root=tmp_path / "indexes", max_tokens=200, n_bootstrap=20)
+    models = [ModelSpec(str(tiny_model_dir), name="m (seed 1)", dim=16, seed=1, method="m"),
+              ModelSpec(str(tiny_model_dir), name="m (seed 2)", dim=20, seed=2, method="m")]
+    first = engine_study(models, dataset, tmp_path / "out", **kwargs)
+    measured = []
+    real = engines_module.model_record
+    monkeypatch.setattr(engines_module, "model_record", lambda name, *a, **k: measured.append(name) or real(
+        name, *a, **k))
+    again = engine_study(models, dataset, tmp_path / "out", **kwargs)
+    assert measured == [] and "reused" in capsys.readouterr().err
+    assert again["models"] == json.loads(json.dumps(first["models"]))
+    # another head size is another model under the same name: measured again; the unchanged one is reused
+    changed = [models[0], ModelSpec(str(tiny_model_dir), name="m (seed 2)", dim=24, seed=2, method="m")]
+    engine_study(changed, dataset, tmp_path / "out", **kwargs)
+    assert measured == ["m (seed 2)"]
+    # other study settings: every model measured again
+    engine_study(changed, dataset, tmp_path / "out", **{**kwargs, "depth": 6})
+    assert measured == ["m (seed 2)", "m (seed 1)", "m (seed 2)"]
+    assert "## Over training seeds" in (tmp_path / "out" / "engines.md").read_text()

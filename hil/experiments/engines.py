@@ -19,11 +19,17 @@ that this does not hurt PLAID but breaks single-vector schemes such as MUVERA's 
 ``engines.json`` holds every number with its settings, ``engines.md`` the tables and ``engines_isotropy.png`` the
 figure: MUVERA's recall against the average cosine of the tokens its SimHash sees (the most anisotropic head of the
 model), one point per model x transform. Run: ``python -m hil.experiments.engines`` (``hil engines``).
+
+A model given as ``name@seed=path`` is one training of the method ``name``; a method with two or more seeds gets a
+summary over its seeds (mean, sample standard deviation, range of each engine's recall and of the isotropy).
+``engines.json`` is rewritten after each model: a rerun with the same settings reuses (and says so) every model whose
+source, seed and weights (:func:`~hil.retrieval.index.encoder_fingerprint`) are unchanged.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -48,7 +54,7 @@ from hil.retrieval.backends.configs import (IndexConfig, IvfFlatIndexConfig, Muv
                                             SearchConfig)
 from hil.retrieval.backends.muvera import apply_token_transform
 from hil.retrieval.backends.registry import open_backend
-from hil.retrieval.index import TokenIndex
+from hil.retrieval.index import TokenIndex, encoder_fingerprint
 from hil.retrieval.transformed import sample_token_vectors
 
 METRIC = "ndcg@10"
@@ -151,23 +157,62 @@ def engine_study(models: Sequence[ModelSpec], dataset: BeirDataset, out: Path, *
     and the figure into ``out``. -> the record."""
     if not models:
         raise UserError("the engine study needs at least one model")
+    columns = [spec.column for spec in models]
+    trainings = [(spec.method, spec.seed) for spec in models if spec.seed is not None]
+    if len(set(trainings)) != len(trainings):
+        raise UserError("--models: one method has the same seed twice")
+    if len(set(columns)) != len(columns):
+        raise UserError(f"--models: two models share a name ({sorted(c for c in columns if columns.count(c) > 1)[0]})")
     settings = settings or EvaluationSettings(progress=False)
     settings = replace(settings, mode="full", index_root=str(index_root), metrics=(METRIC,))
-    records = {}
+    study = {"dataset": dataset.name, "dataset_fingerprint": dataset.fingerprint(), "depth": depth,
+             "max_tokens": max_tokens, "n_bootstrap": n_bootstrap, "seed": seed,
+             "engines": [{"name": e.name, "backend": e.backend.record(),
+                          "search": e.search.record() if e.search is not None else None} for e in engines]}
+    previous = reusable_models(out / "engines.json", study)
+    records: dict[str, Any] = {}
+    out.mkdir(parents=True, exist_ok=True)
     for spec in models:
         encoder = load_model(spec, seed)
+        identity = {"source": spec.source, "seed": spec.seed, "method": spec.method or spec.column,
+                    "encoder_fingerprint": encoder_fingerprint(encoder)}
+        old = previous.get(spec.column)
+        if old is not None and all(old.get(key) == value for key, value in identity.items()):
+            print(f"[engines] {spec.column}: reused from {out / 'engines.json'}", file=sys.stderr, flush=True)
+            records[spec.column] = old
+            continue
         with torch.inference_mode():
-            records[spec.column] = {"source": spec.source, **model_record(
+            records[spec.column] = {**identity, **model_record(
                 spec.column, encoder, dataset, engines, settings, depth=depth, max_tokens=max_tokens,
                 n_bootstrap=n_bootstrap, seed=seed)}
-    record = provenance({"dataset": dataset.name, "depth": depth, "max_tokens": max_tokens,
-                         "n_bootstrap": n_bootstrap, "seed": seed, "engines": [e.name for e in engines]},
-                        command=command, n_queries=len(dataset.queries), n_docs=len(dataset.corpus), models=records)
-    out.mkdir(parents=True, exist_ok=True)
+        # written after each model: an interrupted study resumes from the models it finished
+        write_json_atomic(out / "engines.json", study_record(study, dataset, records, command))
+    record = study_record(study, dataset, records, command)
     write_json_atomic(out / "engines.json", record)
     figure = plot_isotropy_recall(record, out / "engines_isotropy.png")
     write_text_atomic(out / "engines.md", "\n".join(engine_lines(record, figure.name)) + "\n")
     return record
+
+
+def study_record(study: Mapping[str, Any], dataset: BeirDataset, records: Mapping[str, Any],
+                 command: str) -> dict[str, Any]:
+    return provenance(dict(study), command=command, n_queries=len(dataset.queries), n_docs=len(dataset.corpus),
+                      models=dict(records))
+
+
+def reusable_models(path: Path, study: Mapping[str, Any]) -> dict[str, Any]:
+    """The model entries of an earlier ``engines.json`` made with the same study settings (else none)."""
+    if not path.is_file():
+        return {}
+    try:
+        earlier = json.loads(path.read_text())
+    except ValueError:
+        return {}
+    if earlier.get("settings") != json.loads(json.dumps(study)):
+        print(f"[engines] {path}: made with other settings; every model is measured again", file=sys.stderr,
+              flush=True)
+        return {}
+    return dict(earlier.get("models") or {})
 
 
 def muvera_points(record: Mapping[str, Any]) -> list[tuple[str, str, float, float]]:
@@ -216,7 +261,44 @@ def engine_lines(record: Mapping[str, Any], figure: str) -> list[str]:
             rows.append([model, name, fmt((engine.get("search_stats") or {}).get("candidates_mean"), 0),
                          _ci(engine[f"recall@{depth}_vs_exact"]), _ci(engine[METRIC])])
     lines += markdown_table(["Model", "engine", "candidates / query", f"recall@{depth} vs exact", "nDCG@10"], rows)
+    summary = seed_summary(record)
+    if summary:
+        lines += ["", "## Over training seeds", "",
+                  f"Per method with two or more seeds: the mean of each figure over its seeds, +- the sample standard "
+                  f"deviation, [min, max]. avg cos: the most anisotropic head's raw tokens.", ""]
+        engines = list(next(iter(summary.values()))["engines"])
+        rows = [[method, str(entry["n_seeds"]), _spread(entry["avg_cos"])]
+                + [_spread(entry["engines"][e]) for e in engines] for method, entry in summary.items()]
+        lines += markdown_table(["Method", "seeds", "avg cos"] + [f"{e} recall@{depth}" for e in engines], rows)
     return lines + ["", f"![isotropy against MUVERA recall]({figure})"]
+
+
+def seed_summary(record: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per method with two or more seeded models: the spread over seeds of the raw tokens' average cosine (the most
+    anisotropic head) and of each engine's mean candidate recall (:func:`hil.evaluation.seeds.seed_spread`)."""
+    from hil.evaluation.seeds import seed_spread
+
+    depth = record["settings"]["depth"]
+    by_method: dict[str, list[Mapping[str, Any]]] = {}
+    for entry in record["models"].values():
+        if entry.get("seed") is not None:
+            by_method.setdefault(entry.get("method"), []).append(entry)
+    summary = {}
+    for method, entries in by_method.items():
+        if len(entries) < 2:
+            continue
+        engines = [e for e in entries[0]["engines"] if all(e in other["engines"] for other in entries)]
+        summary[method] = {
+            "n_seeds": len(entries),
+            "avg_cos": seed_spread({e["seed"]: max(h["none"]["avg_cos"] for h in e["isotropy"].values())
+                                    for e in entries}),
+            "engines": {name: seed_spread({e["seed"]: e["engines"][name][f"recall@{depth}_vs_exact"]["mean"]
+                                           for e in entries}) for name in engines}}
+    return summary
+
+
+def _spread(spread: Mapping[str, Any]) -> str:
+    return f"{fmt(spread['mean'])} +- {fmt(spread['sd'])} [{fmt(spread['min'])}, {fmt(spread['max'])}]"
 
 
 def _ci(value: Mapping[str, float]) -> str:
@@ -239,12 +321,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def model_specs(text: str) -> list[ModelSpec]:
+    """``name=path`` or ``name@seed=path`` (one training of the method ``name``), comma-separated."""
     specs = []
     for part in filter(None, text.split(",")):
         name, sep, path = part.partition("=")
-        if not sep or not name or not path:
-            raise UserError(f"--models: name=path expected, got {part!r}")
-        specs.append(ModelSpec(path, name=name))
+        method, at, seed_text = name.partition("@")
+        if not sep or not method or not path or (at and not seed_text.isdigit()):
+            raise UserError(f"--models: name=path or name@seed=path expected, got {part!r}")
+        if at:
+            specs.append(ModelSpec(path, name=f"{method} (seed {seed_text})", seed=int(seed_text), method=method))
+        else:
+            specs.append(ModelSpec(path, name=method))
     return specs
 
 
