@@ -277,3 +277,49 @@ def test_progress_is_reported_and_changes_no_score(tmp_path, texts, cross_encode
     for qid, pairs in quiet_lines.items():
         assert [p for p, _ in loud_lines[qid]] == [p for p, _ in pairs]
         assert [s for _, s in loud_lines[qid]] == pytest.approx([s for _, s in pairs], abs=1e-6)
+
+
+def test_a_two_label_cross_encoder_scores_the_log_odds_of_label_one(tmp_path, texts, tiny_model_dir, hf_tokenizer):
+    """The documented score of a two-label classifier: ``logit[1] - logit[0]`` (log-odds of relevance), not the
+    label-1 logit alone; checked pair by pair with the model run by hand."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(1)
+    model = BertForSequenceClassification(BertConfig.from_pretrained(tiny_model_dir, num_labels=2)).eval()
+    folder = tmp_path / "two-label"
+    model.save_pretrained(folder)
+    hf_tokenizer.save_pretrained(folder)
+    output = tmp_path / "two.jsonl"
+    assert run_teacher(texts, output, "--teacher", str(folder), "--depth", "4", "--nway", "4") == 0
+    checked = 0
+    for qid, pairs in written(output).items():
+        for pid, score in pairs:
+            with torch.no_grad():
+                logits = model(**hf_tokenizer(QUERIES[qid], DOCS[pid], return_tensors="pt")).logits[0]
+            assert abs(logits[1] - logits[0]) > 1e-3 and abs(logits[0]) > 1e-3  # the two rules differ here
+            assert score == pytest.approx((logits[1] - logits[0]).item(), abs=1e-5), (qid, pid)
+            checked += 1
+    assert checked == 12
+
+
+def test_a_beir_query_that_is_a_document_keeps_depth_candidates_besides_itself(tmp_path, cross_encoder):
+    """A BEIR set whose queries are also documents (ArguAna, Quora): the query's own document is dropped, and
+    ``depth + 1`` are mined so that ``depth`` others remain. With ``--nway`` equal to ``--depth`` every query is
+    written, with BM25's best ``depth`` documents other than itself (BM25 searched by hand here)."""
+    folder = tmp_path / "mini"
+    (folder / "qrels").mkdir(parents=True)
+    (folder / "corpus.jsonl").write_text("".join(json.dumps({"_id": k, "title": "", "text": v}) + "\n"
+                                                 for k, v in DOCS.items()), encoding="utf-8")
+    queries = {"q1": QUERIES["q1"], "d4": DOCS["d4"]}  # d4's own text: it retrieves itself first
+    (folder / "queries.jsonl").write_text("".join(json.dumps({"_id": k, "text": v}) + "\n" for k, v in queries.items()))
+    (folder / "qrels" / "train.tsv").write_text("query-id\tcorpus-id\tscore\nq1\td1\t1\nd4\td1\t1\n")
+    output = tmp_path / "beir.jsonl"
+    assert teacher.main(["--dataset", str(folder), "--teacher", str(cross_encoder), "--output", str(output),
+                         "--depth", "5", "--nway", "5", "--quiet", "--device", "cpu"]) == 0
+    lines = written(output)
+    bm25 = dict(zip(queries, BM25Index.build(list(DOCS), list(DOCS.values())).search(list(queries.values()), 6)))
+    assert bm25["d4"][0][0] == "d4"  # the construction: the query's own document is its best match
+    assert set(lines) == {"q1", "d4"}
+    for qid, pairs in lines.items():
+        others = [pid for pid, _ in bm25[qid] if pid != qid][:5]
+        assert sorted(pid for pid, _ in pairs) == sorted(others), qid
