@@ -146,8 +146,11 @@ def file_lock(path: str | os.PathLike, *, timeout: float | None = None, what: st
     it wait, with one log line naming the holder (``pid <n> on <host>``, written into the file).
 
     An ``fcntl.flock`` lock: the kernel releases it when its holder ends, however it ends (SIGKILL included), so a
-    dead writer never leaves a stale lock; the file itself stays (removing it would let a waiter lock a deleted
-    file while a newcomer locks a new one). Re-entrant within a process (nested blocks of one thread, or of
+    dead writer never leaves a stale lock. The holder removes the file before it unlocks, so no ``.lock`` file is
+    left behind; a waiter that then gets the lock of the removed file sees that the path no longer names the file
+    it locked and opens the path again (the usual unlink-then-unlock protocol: at any moment only the file the path
+    names can be held, so two processes never both hold the lock). A SIGKILLed holder leaves the file, unlocked:
+    the next holder removes it. Re-entrant within a process (nested blocks of one thread, or of
     several threads one after the other), so a locked function may call another that takes the same lock.
     ``timeout`` (seconds; None waits as long as it takes) raises ``TimeoutError`` naming the holder. Local file
     systems only: ``flock`` over NFS depends on the server.
@@ -164,18 +167,41 @@ def file_lock(path: str | os.PathLike, *, timeout: float | None = None, what: st
                 depth[0] -= 1
             return
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a+", encoding="utf-8") as handle:
+        handle = _lock_current_file(path, timeout, what)
+        try:
+            handle.seek(0)
+            handle.truncate()
+            handle.write(f"pid {os.getpid()} on {platform.node()}\n")
+            handle.flush()
+            depth[0] = 1
+            yield
+        finally:
+            depth[0] = 0
+            try:
+                path.unlink()  # while still locked: a waiter on this file sees it gone and opens the path again
+            except FileNotFoundError:
+                pass
+            fcntl.flock(handle, fcntl.LOCK_UN)
+            handle.close()
+
+
+def _lock_current_file(path: Path, timeout: float | None, what: str | None) -> Any:
+    """Open ``path`` and lock it; -> the handle, once the locked file is still the one ``path`` names (a holder
+    removes it before unlocking: the lock of a removed file protects nothing)."""
+    while True:
+        handle = open(path, "a+", encoding="utf-8")
+        try:
             _acquire(handle, path, timeout, what)
             try:
-                handle.seek(0)
-                handle.truncate()
-                handle.write(f"pid {os.getpid()} on {platform.node()}\n")
-                handle.flush()
-                depth[0] = 1
-                yield
-            finally:
-                depth[0] = 0
-                fcntl.flock(handle, fcntl.LOCK_UN)
+                current = os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino
+            except FileNotFoundError:
+                current = False
+        except BaseException:
+            handle.close()
+            raise
+        if current:
+            return handle
+        handle.close()
 
 
 def _acquire(handle: Any, path: Path, timeout: float | None, what: str | None) -> None:

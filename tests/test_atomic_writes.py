@@ -89,6 +89,35 @@ def test_the_lock_is_reentrant_in_a_process_and_serializes_its_threads(tmp_path)
     assert order == ["main", "thread"]
 
 
+COUNTER = """
+import sys, time
+from pathlib import Path
+from hil.provenance import file_lock
+lock, counter = Path(sys.argv[1]), Path(sys.argv[2])
+for _ in range(int(sys.argv[3])):
+    with file_lock(lock):
+        value = int(counter.read_text())
+        time.sleep(0.002)  # widens the window a second holder would need
+        counter.write_text(str(value + 1))
+"""
+
+
+def test_the_lock_file_is_removed_and_the_lock_still_excludes(tmp_path):
+    """Four processes each increment a shared counter 25 times under the lock: no increment is lost (the lock is
+    exclusive even though every holder removes the lock file before it unlocks), and no ``.lock`` file is left."""
+    import sys
+
+    lock, counter = tmp_path / "index.lock", tmp_path / "counter"
+    counter.write_text("0")
+    workers = [subprocess.Popen([sys.executable, "-c", COUNTER, str(lock), str(counter), "25"]) for _ in range(4)]
+    assert [w.wait(timeout=120) for w in workers] == [0, 0, 0, 0]
+    assert int(counter.read_text()) == 100
+    assert not lock.exists()
+    with file_lock(lock):
+        assert lock.is_file()
+    assert not lock.exists()
+
+
 def test_atomic_directory_replaces_whole_or_not_at_all(tmp_path):
     target = tmp_path / "export"
     target.mkdir()
@@ -152,4 +181,4 @@ def test_results_are_written_under_the_folder_lock(tmp_path):
         kill(holder)
     writer.join(timeout=30)
     assert json.loads((folder / "metrics.json").read_text())["results"]["run"]["metrics"] == {"ndcg@10": 1.0}
-    assert sorted(p.name for p in folder.iterdir()) == [RESULTS_LOCK, "metrics.json", "per_query.json", "run.trec"]
+    assert sorted(p.name for p in folder.iterdir()) == ["metrics.json", "per_query.json", "run.trec"]  # no lock left
