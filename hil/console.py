@@ -20,17 +20,18 @@ Errors a user can fix are one line, ``error: ...``, exit status 2 (``HIL_DEBUG=1
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from dataclasses import replace
+from pathlib import Path
 from typing import Callable, NoReturn
 
 from jsonargparse import ActionConfigFile, ArgumentParser
 
-from hil.data.errors import DEBUG_ENV, UserError, exit_status, one_line
+from hil.data.errors import DEBUG_ENV, UserError, check_output_path, exit_status, one_line
 from hil.evaluation.experiment import DatasetSpec, Experiment, ModelSpec
 from hil.evaluation.evaluate import EvaluationSettings, document_store, place_encoder
 from hil.evaluation.results import format_statistics, format_table
-from hil.evaluation.runs import write_trec_run
 from hil.paths import resolve_config
 
 PROG = "hil"
@@ -64,10 +65,11 @@ def experiment_parser(prog: str) -> ArgumentParser:
     return parser
 
 
-def parse_experiment(argv: list[str], prog: str) -> Experiment:
+def parse_experiment(argv: list[str], prog: str, *, run_file: bool = False) -> Experiment:
     """The experiment ``argv`` describes; with ``--print_config`` it is printed as YAML (``--model`` / ``--dataset``
     folded into ``models`` / ``datasets``, so that the output given back as ``--config`` is the same experiment) and
-    :class:`SystemExit` (0) ends the command."""
+    :class:`SystemExit` (0) ends the command. ``run_file``: ``--output`` names a run file (``hil search``), checked
+    as a file; the experiment writes its records into ``<output>.parts/``."""
     argv = [resolve_config(arg) if i and argv[i - 1] == "--config" else arg for i, arg in enumerate(argv)]
     printing = "--print_config" in argv
     argv = [arg for arg in argv if arg != "--print_config"]
@@ -90,6 +92,9 @@ def parse_experiment(argv: list[str], prog: str) -> Experiment:
               if key not in ("config", "model", "dataset") and not key.startswith("__")}
     if not fields["datasets"]:
         raise UserError("no dataset: give --dataset NAME or datasets in a --config file")
+    if run_file:
+        check_output_path(fields["output"], "--output", folder=False)
+        fields["output"] = f"{fields['output']}.parts"
     return Experiment(**{**fields, "command": {"argv": argv}})
 
 
@@ -136,21 +141,34 @@ def index_command(argv: list[str]) -> int:
 def search_command(argv: list[str]) -> int:
     """One model's ranking of one dataset's queries, written as a TREC run (``--output`` is the run file; the
     experiment's column files, which let a rerun with the same settings reuse the ranking, go to
-    ``<output>.parts/``)."""
+    ``<output>.parts/``, whose run is the same file as ``--output``: a hard link, not a second copy)."""
     from hil.evaluation.runner import run_experiment
 
-    experiment = parse_experiment(argv, f"{PROG} search")
-    model, _, _ = single(experiment, "hil search")
-    run_file = experiment.output
-    folder = f"{run_file}.parts"
-    (result,) = run_experiment(replace(experiment, output=folder, folders="flat", baseline=False,
+    experiment = parse_experiment(argv, f"{PROG} search", run_file=True)
+    single(experiment, "hil search")
+    folder = Path(experiment.output)
+    run_file = folder.with_name(folder.name[: -len(".parts")])
+    (result,) = run_experiment(replace(experiment, folders="flat", baseline=False,
                                        statistics=replace(experiment.statistics, enabled=False)))
     column = result.columns[-1]
-    from hil.evaluation.runs import read_trec_run
-
-    write_trec_run(run_file, read_trec_run(f"{folder}/{column.name}.trec"), tag=column.name)
-    print(f"wrote {run_file} ({column.name}: nDCG@10 {column.record['metrics'].get('ndcg@10', float('nan')):.4f})")
+    link_run(folder / f"{column.name}.trec", run_file)
+    print(f"wrote {run_file} ({column.name}: nDCG@10 {column.record['metrics'].get('ndcg@10', float('nan')):.4f}; "
+          f"the records that let a rerun reuse it: {folder}/)")
     return 0
+
+
+def link_run(source: Path, run_file: Path) -> None:
+    """``run_file`` becomes the same file as ``source`` (a hard link, replacing what was there atomically); a copy
+    where the file system has no hard links."""
+    if run_file.exists() and os.path.samefile(source, run_file):
+        return  # a rerun that reused the ranking (rename() between two links of one file would do nothing)
+    staging = run_file.with_name(f".{run_file.name}.{os.getpid()}.tmp")
+    staging.unlink(missing_ok=True)
+    try:
+        os.link(source, staging)
+    except OSError:
+        shutil.copyfile(source, staging)
+    os.replace(staging, run_file)
 
 
 def training(argv: list[str]) -> int:

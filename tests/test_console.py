@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 from pathlib import Path
@@ -122,6 +123,16 @@ def test_hil_index_and_search(tiny, tmp_path, capsys):
     assert hil_main(["search", *common, "--output", str(tmp_path / "run.trec")]) == 0
     lines = (tmp_path / "run.trec").read_text().splitlines()
     assert {line.split()[0] for line in lines} == {f"q{i}" for i in range(5)}
+    # one copy of the run: the records' run file is the same file (a hard link), also after a rerun reusing it
+    (kept,) = (tmp_path / "run.trec.parts").glob("*.trec")
+    assert os.path.samefile(kept, tmp_path / "run.trec") and os.stat(kept).st_nlink == 2
+    assert hil_main(["search", *common, "--output", str(tmp_path / "run.trec")]) == 0
+    assert (tmp_path / "run.trec").read_text().splitlines() == lines
+    assert os.path.samefile(kept, tmp_path / "run.trec")
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+    (tmp_path / "a-folder").mkdir()  # a folder where the run file goes: refused before any work, nothing written
+    assert hil_main(["search", *common, "--output", str(tmp_path / "a-folder")]) == 2
+    assert "a folder is there" in capsys.readouterr().err and not (tmp_path / "a-folder.parts").exists()
     assert hil_main(["search", "--dataset", str(beir), "--output", str(tmp_path / "r2.trec")]) == 2
 
 
