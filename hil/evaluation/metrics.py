@@ -63,12 +63,19 @@ _FULL_MEASURES = {"map": "map", "mrr": "recip_rank", "ndcg": "ndcg"}
 _NAME = re.compile(r"^(?P<base>[a-z]+)(?:@(?P<k>\d+))?$")
 
 
+# ir_measures' spelling (``RR@10``, ``R@100``, ``AP``; ``nDCG@10``, ``P@10`` and ``Success@10`` only differ in case)
+IR_MEASURES_NAMES = {"rr": "mrr", "r": "recall", "ap": "map"}
+
+
 def parse_metric(name: str) -> tuple[str, int | None]:
-    """``"nDCG@10"`` -> ``("ndcg", 10)``; ``"map"`` -> ``("map", None)``. Raises ValueError for unknown names."""
+    """``"nDCG@10"`` -> ``("ndcg", 10)``; ``"map"`` -> ``("map", None)``; ir_measures' names too (``"RR@10"`` ->
+    ``("mrr", 10)``, ``"R@100"`` -> ``("recall", 100)``, ``"AP"`` -> ``("map", None)``). Raises ValueError for
+    unknown names."""
     match = _NAME.match(name.strip().lower())
     if match is None:
-        raise ValueError(f"cannot parse metric name {name!r}; expected e.g. 'ndcg@10', 'mrr@10', 'map'")
-    base, k = match["base"], match["k"]
+        raise ValueError(f"cannot parse metric name {name!r}; expected e.g. 'ndcg@10', 'mrr@10' (or 'RR@10'), "
+                         "'map'")
+    base, k = IR_MEASURES_NAMES.get(match["base"], match["base"]), match["k"]
     if k is None:
         if base not in _FULL_MEASURES:
             raise ValueError(f"metric {name!r} needs a cutoff ('{base}@k'); without one: {sorted(_FULL_MEASURES)}")
@@ -78,6 +85,24 @@ def parse_metric(name: str) -> tuple[str, int | None]:
     if int(k) < 1:
         raise ValueError(f"metric {name!r}: cutoff must be >= 1")
     return base, int(k)
+
+
+def canonical_metric(name: str) -> str:
+    """The package's name of a metric (``"RR@10"`` -> ``"mrr@10"``, ``"nDCG@10"`` -> ``"ndcg@10"``): the key of its
+    values in every result. Raises ValueError for unknown names."""
+    base, k = parse_metric(name)
+    return base if k is None else f"{base}@{k}"
+
+
+def measurable_metrics(metrics: Iterable[str], depth: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """-> (the metrics a run of ``depth`` documents per query measures, those it cannot): a cutoff above the depth
+    (``recall@1000`` of a top-100 run) would only repeat the value at the depth under another name; a metric
+    without a cutoff is measured on the whole run."""
+    kept, dropped = [], []
+    for name in metrics:
+        _, k = parse_metric(name)
+        (dropped if k is not None and k > depth else kept).append(name)
+    return tuple(kept), tuple(dropped)
 
 
 def _clean_qrels(qrels: Mapping[str, Mapping[str, int]]) -> Qrels:
@@ -126,13 +151,13 @@ def evaluate_run(qrels: Mapping[str, Mapping[str, int]], run: Mapping[str, Mappi
     (``relevance_level``: the lowest grade binary metrics count as relevant).
 
     Returns ``(aggregate, per_query)``: ``aggregate[metric]`` is the mean over evaluated queries (NaN if none),
-    ``per_query[qid][metric]`` the per-query values, keyed by the metric names as given (lower-cased).
+    ``per_query[qid][metric]`` the per-query values, keyed by :func:`canonical_metric` of the names given.
     """
     if missing_queries not in ("zero", "ignore"):
         raise ValueError(f"missing_queries must be 'zero' or 'ignore', got {missing_queries!r}")
     if isinstance(relevance_level, bool) or not isinstance(relevance_level, int) or relevance_level < 1:
         raise ValueError(f"relevance_level must be an integer >= 1, got {relevance_level!r}")
-    names = [m.strip().lower() for m in metrics]
+    names = list(dict.fromkeys(canonical_metric(m) for m in metrics))
     if not names:
         raise ValueError("no metrics requested")
     parsed = {name: parse_metric(name) for name in names}

@@ -20,7 +20,6 @@ import numpy as np
 
 from hil.data.beir import BeirDataset
 from hil.evaluation.evaluate import Evaluation
-from hil.evaluation.metrics import DEFAULT_METRICS
 from hil.evaluation.runs import write_trec_run
 from hil.evaluation.statistics import (P_ADJUST_NAMES, SIGNIFICANCE_LEVEL, add_adjusted, adjust_p_values,
                                        bm25_easy_split, bootstrap_ci, paired_bootstrap_test, paired_permutation_test,
@@ -172,10 +171,12 @@ def write_results(directory: str | Path, dataset: BeirDataset, evaluations: list
     return directory / "metrics.json"
 
 
-def format_table(evaluations: list[Evaluation], metrics=DEFAULT_METRICS) -> str:
-    names = [m.lower() for m in metrics]
+def format_table(evaluations: list[Evaluation], metrics: Sequence[str] | None = None) -> str:
+    """One row per evaluation; a column per metric (default: every metric measured, in the order measured)."""
+    names = list(metrics) if metrics is not None else list(dict.fromkeys(m for e in evaluations for m in e.aggregate))
     width = max(len(e.name) for e in evaluations) + 2
     lines = ["model".ljust(width) + "".join(f"{m:>13}" for m in names)]
     for e in evaluations:
-        lines.append(e.name.ljust(width) + "".join(f"{e.aggregate[m]:>13.4f}" for m in names))
+        lines.append(e.name.ljust(width) + "".join(f"{e.aggregate[m]:>13.4f}" if m in e.aggregate else f"{'-':>13}"
+                                                   for m in names))
     return "\n".join(lines)

@@ -35,6 +35,7 @@ import torch
 
 from hil.data.beir import BeirDataset, load_beir
 from hil.data.errors import UserError
+from hil.evaluation.metrics import measurable_metrics
 from hil.evaluation.evaluate import (Evaluation, EvaluationSettings, evaluate, evaluate_bm25, evaluate_run_file,
                                      evaluate_transformed, first_stage, subset_with_first_stage)
 from hil.evaluation.experiment import (BASELINE, DatasetSpec, Experiment, ModelSpec, StatisticsSettings,
@@ -167,8 +168,30 @@ class DatasetRun:
         self.dataset, self.first, self.candidates = self._load()
         self.depth = spec.rerank_depth or (self.first.details["depth"] if self.first is not None
                                           else settings.rerank_depth)
+        self.measure_at_run_depth()
         self.identity = dataset_identity(self.dataset, spec, experiment.seed)
         self.baseline_id = baseline_identity(self.run_file, settings, self.depth)
+
+    def measure_at_run_depth(self) -> None:
+        """Keep the metrics the dataset's runs can measure: a run holds ``k`` documents per query, or, re-ranking
+        (a first stage's candidates), at most those candidates (:func:`~hil.evaluation.metrics.measurable_metrics`);
+        the others are left out of every column (said once), not reported as the value at a shallower depth under
+        their name."""
+        settings = self.settings
+        reranked = settings.mode == "rerank" or self.first is not None
+        depth = min(settings.k, self.depth) if reranked else settings.k
+        kept, dropped = measurable_metrics(settings.metrics, depth)
+        if not dropped:
+            return
+        if not kept:
+            raise UserError(f"{self.spec.folder_key}: no metric measurable on runs of {depth} documents per query "
+                            f"(metrics {', '.join(dropped)}): raise k or the re-ranking depth")
+        self.experiment.log(f"{self.spec.folder_key}: {', '.join(dropped)} left out (the runs hold {depth} "
+                            "documents per query)")
+        self.settings = replace(settings, metrics=kept)
+        if self.first is not None:
+            self.first = replace(self.first, aggregate={m: self.first.aggregate[m] for m in kept},
+                                 per_query={q: {m: v[m] for m in kept} for q, v in self.first.per_query.items()})
 
     def _load(self) -> tuple[BeirDataset, Evaluation | None, dict[str, list[str]] | None]:
         spec, experiment = self.spec, self.experiment
@@ -177,7 +200,7 @@ class DatasetRun:
         first = None
         if spec.first_stage_run is not None:  # checked against the whole dataset, then sliced with it
             self.run_file = run_file_of(spec.first_stage_run, dataset)
-            first = evaluate_run_file(self.run_file, dataset, name=spec.baseline_name,
+            first = evaluate_run_file(self.run_file, dataset, self.settings.metrics, name=spec.baseline_name,
                                       drop_self_matches=self.settings.drop_self_matches)
             first.details["rerank_depth"] = spec.rerank_depth or first.details["depth"]
         dataset, first, candidates = subset_with_first_stage(
