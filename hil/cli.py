@@ -16,6 +16,8 @@ import sys
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import json  # noqa: E402
+import logging  # noqa: E402
+import warnings  # noqa: E402
 import zipfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Literal, NoReturn  # noqa: E402
@@ -164,6 +166,30 @@ def resolve_config_arguments(args: list[str]) -> list[str]:
     return resolved
 
 
+# Lightning's lines that tell a user of this package nothing: an advertisement, "no GPU / no TPU" on a machine without
+# them (the line that says a GPU is used stays), the warning about ``args`` (ours are the command line itself) and a
+# torch deprecation inside Lightning.
+QUIET_LIGHTNING_LINES = ("💡 Tip:", "GPU available: False", "TPU available: False")
+QUIET_LIGHTNING_WARNINGS = (r"LightningCLI's args parameter is intended", r".*isinstance\(treespec, LeafSpec\)")
+LIGHTNING_INFO_LOGGERS = ("pytorch_lightning.utilities.rank_zero", "lightning.pytorch.utilities.rank_zero",
+                          "lightning_fabric.utilities.rank_zero")
+
+
+class _QuietLightning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.getMessage()).startswith(QUIET_LIGHTNING_LINES)
+
+
+def quiet_lightning() -> None:
+    """Leave out :data:`QUIET_LIGHTNING_LINES` and :data:`QUIET_LIGHTNING_WARNINGS` (once per process)."""
+    for name in LIGHTNING_INFO_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _QuietLightning) for f in logger.filters):
+            logger.addFilter(_QuietLightning())
+    for message in QUIET_LIGHTNING_WARNINGS:
+        warnings.filterwarnings("ignore", message=message)
+
+
 def run_train(args: list[str] | None = None) -> HILCLI:
     """``train.py``'s command line (``fit --config configs/colbert.yaml [--config <variant>.yaml] ...``) run in this
     process; -> the CLI (its ``trainer``, ``model``, ``datamodule``).
@@ -174,6 +200,7 @@ def run_train(args: list[str] | None = None) -> HILCLI:
     try:
         # The optimizer and schedule are the model's (``model.optimizer``, ``model.lr_scheduler``): no top-level ones.
         args = resolve_config_arguments(sys.argv[1:] if args is None else args)
+        quiet_lightning()
         return HILCLI(RetrieverModule, TriplesDataModule, args=args, auto_configure_optimizers=False,
                       parser_class=HILArgumentParser, save_config_kwargs={"overwrite": True})
     except Exception as error:

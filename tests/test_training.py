@@ -264,3 +264,23 @@ def test_a_teacher_run_and_pylate_examples_load_through_the_data_module(shared_d
         assert got["teacher_scores"][0] == [9.0, 2.0, 1.0], source
         expected = expected or got
         assert got == expected, source
+
+
+def test_hil_fit_prints_no_lightning_noise(shared_dir, tmp_path):
+    """``hil fit`` as a user runs it (its own process, arguments on the command line): Lightning's advertisement,
+    its "no GPU / no TPU" lines, the warning about the CLI's ``args`` and a torch deprecation are left out; its
+    informative lines stay."""
+    import os
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "hil", "fit", "--config", "colbert", "--config", "presets/smoke",
+               "--trainer.default_root_dir", str(tmp_path / "run"), "--export_dir", str(tmp_path / "export")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                          env={**os.environ, "HIL_DATA_DIR": str(shared_dir / "data"),
+                               "HIL_MODELS_DIR": str(shared_dir / "models")})
+    assert done.returncode == 0, done.stderr[-2000:]
+    for noise in ("Tip:", "GPU available: False", "TPU available", "args parameter", "LeafSpec"):
+        assert noise not in done.stderr, noise
+    assert "`Trainer.fit` stopped: `max_steps=4` reached." in done.stderr
+    assert "exported model to" in done.stdout
