@@ -73,6 +73,7 @@ def as_before(new: dict) -> dict:
     # Added since (issue 22): n-way / distillation sources, unset by every triples config (their defaults choose
     # nothing: the source is `triples`).
     assert {k: data.pop(k) for k in ISSUE_22_DATA_DEFAULTS} == ISSUE_22_DATA_DEFAULTS
+    assert data.pop("teacher_output") is None  # added since (issue 31): what `hil teacher` wrote, unset
     # Added since (issue 22): the objective's further terms and GradCache, unset; every loss got a `weight`
     # (1: the objective is the loss as it was; tests/test_terms.py checks the N = 2 training is bit-identical).
     assert (model.pop("terms"), model.pop("gradcache_chunk_size")) == (None, None)
@@ -146,7 +147,9 @@ def test_distilled_configs_train_from_nway_examples_with_a_kl_term():
         resolved = print_config(config_args(name))
         model, data = resolved["model"], resolved["data"]
         assert model["loss"]["class_path"] == "hil.modeling.losses.KLDistillation", name
-        assert data["triples"] is None and data["nway_examples"] and data["queries"] and data["collection"], name
+        # what `hil teacher` wrote, alone: its texts and nway come from its .meta.json
+        assert data["triples"] is None and data["teacher_output"] and not data["nway_examples"], name
+        assert data["queries"] is None and data["collection"] is None and data["nway"] is None, name
         weight = regularizers[name]
         assert (model["regularizer"] or {}).get("init_args", {}).get("weight") == weight, name
     model = print_config(config_args("colbert_hil_distill"))["model"]

@@ -323,3 +323,74 @@ def test_a_beir_query_that_is_a_document_keeps_depth_candidates_besides_itself(t
     for qid, pairs in lines.items():
         others = [pid for pid, _ in bm25[qid] if pid != qid][:5]
         assert sorted(pid for pid, _ in pairs) == sorted(others), qid
+
+
+def _examples(source) -> list:
+    return [source[i] for i in range(len(source))]
+
+
+@pytest.mark.parametrize("fmt", ["colbert", "pylate", "trec"])
+def test_teacher_output_alone_trains_from_what_the_teacher_wrote(tmp_path, texts, cross_encoder, fmt, monkeypatch):
+    """``data.teacher_output`` alone: the layout, texts and nway come from the ``.meta.json``; the examples are the
+    ones the format's own reader gives with every setting spelled out (from another folder than the teacher ran
+    in: written paths are taken beside the examples)."""
+    from hil.data.datamodule import TriplesDataModule
+
+    output = tmp_path / "out" / f"examples.{'trec' if fmt == 'trec' else 'jsonl'}"
+    assert run_teacher(texts, output, "--teacher", str(cross_encoder), "--depth", "5", "--nway", "4",
+                       "--format", fmt) == 0
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    module = TriplesDataModule(teacher_output=str(output), batch_size=2)
+    module.setup("fit")
+    reader = {"colbert": NWayFile, "pylate": open_pylate,
+              "trec": lambda *paths: RunExamples(*paths, RunSettings(4))}[fmt]
+    explicit = reader(output, texts["queries"], texts["collection"])
+    assert _examples(module.train_dataset) == _examples(explicit) and len(explicit) == 3
+    assert module.source_kind == {"colbert": "nway_examples", "pylate": "pylate", "trec": "run"}[fmt]
+    assert module.hparams.nway == 4 and module.hparams.teacher_output == str(output)
+    lower = TriplesDataModule(teacher_output=str(output), nway=2)  # fewer documents per query than written
+    lower.setup("fit")
+    assert all(len(example.documents) == 2 for example in _examples(lower.train_dataset))
+
+
+def test_teacher_output_of_a_beir_set_reads_the_texts_written_beside_it(tmp_path, cross_encoder, monkeypatch):
+    from hil.data.datamodule import TriplesDataModule
+
+    folder = tmp_path / "mini"
+    (folder / "qrels").mkdir(parents=True)
+    (folder / "corpus.jsonl").write_text("".join(json.dumps({"_id": k, "title": "", "text": v}) + "\n"
+                                                 for k, v in DOCS.items()), encoding="utf-8")
+    (folder / "queries.jsonl").write_text("".join(json.dumps({"_id": k, "text": v}) + "\n" for k, v in QUERIES.items()))
+    (folder / "qrels" / "train.tsv").write_text("query-id\tcorpus-id\tscore\nq1\td1\t1\n")
+    monkeypatch.chdir(tmp_path)
+    assert teacher.main(["--dataset", str(folder), "--teacher", str(cross_encoder), "--output", "made/ex.jsonl",
+                         "--depth", "5", "--nway", "3", "--quiet", "--device", "cpu"]) == 0
+    (tmp_path / "later").mkdir()
+    monkeypatch.chdir(tmp_path / "later")  # the meta's relative paths name files beside the examples
+    module = TriplesDataModule(teacher_output=str(tmp_path / "made" / "ex.jsonl"))
+    module.setup("fit")
+    made = tmp_path / "made"
+    explicit = NWayFile(made / "ex.jsonl", made / "ex.queries.tsv", made / "ex.collection.tsv")
+    assert _examples(module.train_dataset) == _examples(explicit) and len(explicit) == 1  # the split's one query
+
+
+def test_teacher_output_refusals_name_the_setting(tmp_path, texts, cross_encoder):
+    from hil.data.datamodule import TriplesDataModule
+    from hil.data.errors import UserError
+
+    output = tmp_path / "ex.jsonl"
+    assert run_teacher(texts, output, "--teacher", str(cross_encoder), "--depth", "5", "--nway", "3") == 0
+    with pytest.raises(ValueError, match="data.nway 4 is more than the 3"):
+        TriplesDataModule(teacher_output=str(output), nway=4)
+    with pytest.raises(ValueError, match="give neither"):
+        TriplesDataModule(teacher_output=str(output), queries=str(texts["queries"]))
+    with pytest.raises(ValueError, match=r"data.triples: null"):
+        TriplesDataModule(triples="x.tsv", teacher_output=str(output))
+    (tmp_path / "plain.jsonl").write_text(output.read_text())
+    with pytest.raises(UserError, match=r"plain.jsonl.meta.json not found: not written by `hil teacher`"):
+        TriplesDataModule(teacher_output=str(tmp_path / "plain.jsonl"))
+    output.with_name("ex.jsonl.meta.json").write_text("{\"settings\": {}}")
+    with pytest.raises(UserError, match="not a `hil teacher` record"):
+        TriplesDataModule(teacher_output=str(output))

@@ -292,7 +292,10 @@ class TriplesDataModule(pl.LightningDataModule):
             documents (:mod:`hil.data.run_examples`).
         pylate: PyLate's examples (``query_id``, ``document_ids``, ``scores``; JSON lines or Parquet), with
             ``queries`` and ``collection`` (``id TAB text``, or PyLate's text tables).
-            Exactly one of ``triples``, ``id_triples``, ``beir``, ``nway_examples``, ``run`` and ``pylate``.
+        teacher_output: the examples file ``hil teacher`` wrote, alone: its layout, ``queries``, ``collection`` and
+            ``nway`` are read from its ``.meta.json`` (:mod:`hil.data.teacher_output`); ``nway`` may be lowered.
+            Exactly one of ``triples``, ``id_triples``, ``beir``, ``nway_examples``, ``run``, ``pylate`` and
+            ``teacher_output``.
         nway: documents per example (the first ``nway`` of each line of an n-way or PyLate file; None: all, the same
             on every line); required with ``run``. Triples are N = 2.
         max_triples: keep only the first N triples or examples (smoke runs).
@@ -315,16 +318,34 @@ class TriplesDataModule(pl.LightningDataModule):
                  cache_dir: str | None = None, nway_examples: str | None = None, run: str | None = None,
                  pylate: str | None = None, nway: int | None = None, qrels: str | None = None,
                  run_depth: int | None = None, run_selection: str = "top", run_positives: str = "none",
-                 run_targets: str = "scores", relevance_level: int = 1, short_queries: str = "error"):
+                 run_targets: str = "scores", relevance_level: int = 1, short_queries: str = "error",
+                 teacher_output: str | None = None):
         super().__init__()
         sources = {"triples": triples, "id_triples": id_triples, "beir": beir, "nway_examples": nway_examples,
-                   "run": run, "pylate": pylate}
+                   "run": run, "pylate": pylate, "teacher_output": teacher_output}
         given = [name for name, value in sources.items() if value is not None]
         if len(given) != 1:
             raise ValueError("data: give exactly one of `triples` (a TSV of text triples), `id_triples` (a TSV of "
                              "qid, pid, pid with `queries` and `collection`), `beir` (a dataset to mine triples "
                              "from), `nway_examples`, `run` or `pylate` (n-way examples with `queries` and "
-                             f"`collection`); got {given or 'none'}")
+                             f"`collection`), `teacher_output` (what `hil teacher` wrote); got {given or 'none'}"
+                             + (" (set data.triples: null, as the distillation variants do)"
+                                if "triples" in given else ""))
+        if teacher_output is not None:
+            if queries is not None or collection is not None:
+                raise ValueError("data.teacher_output reads `queries` and `collection` from its .meta.json: "
+                                 "give neither")
+            from hil.data.teacher_output import teacher_output_source
+
+            recorded = teacher_output_source(teacher_output, data_dir)
+            if nway is not None and nway > int(recorded["nway"]):
+                raise ValueError(f"data.nway {nway} is more than the {recorded['nway']} documents per query "
+                                 f"`hil teacher` wrote ({teacher_output})")
+            nway = nway if nway is not None else int(recorded["nway"])
+            queries, collection = str(recorded["queries"]), str(recorded["collection"])
+            key = next(name for name in EXAMPLE_SOURCES if name in recorded)
+            nway_examples, run, pylate = (str(recorded[key]) if name == key else None for name in EXAMPLE_SOURCES)
+            given = [key]
         (source,) = given
         with_texts = source in ("id_triples", *EXAMPLE_SOURCES)
         if with_texts and (queries is None or collection is None):

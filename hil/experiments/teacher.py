@@ -329,7 +329,8 @@ def main(argv: list[str] | None = None) -> int:
         record = run(args)
         counts = record["counts"]
         print(f"wrote {counts['written']} of {counts['queries']} queries to {record['files']['examples']} "
-              f"({record['files']['meta']})")
+              f"({record['files']['meta']}); train from it: hil fit ... --data.teacher_output "
+              f"{record['files']['examples']}")
         return 0
 
     return exit_status(PROG, make_and_report)
