@@ -390,7 +390,8 @@ def evaluate(encoder: Encoder, dataset: BeirDataset, settings: EvaluationSetting
                                "search_seconds": round(search_seconds, 3), "search_stats": result.stats,
                                "sources": result.sources}
     if isinstance(store, TokenIndex):  # read back from the index: what the search structures were built with
-        details.update(index_dir=str(store.directory), document_encoding=store.meta.get("document_encoding"),
+        details.update(index_dir=str(store.directory), index_opened=store.how_opened,
+                       document_encoding=store.meta.get("document_encoding"),
                        backend=store.backend_settings)
     evaluation = score_run(name or f"{encoder.architecture}-{settings.mode}", dataset, result.run, settings.metrics,
                            settings.drop_self_matches, **details)

@@ -259,6 +259,8 @@ class DatasetRun:
         if record is not None and self.first is None and settings.mode == "rerank":
             record = None  # BM25's candidates are needed: recompute the (cheap) run instead of re-reading it
         if record is not None:
+            self.experiment.log(f"{name} on {self.dataset.name}: kept {self.folder / f'{name}.json'} (finished with "
+                                "the same settings)")
             return Column(name, record)
         evaluation = self.first or evaluate_bm25(self.dataset, k=max(settings.k, self.depth),
                                                  metrics=settings.metrics,
@@ -290,8 +292,13 @@ class DatasetRun:
                            f"{len(self.dataset.corpus)} documents, {settings.mode})")
             with torch.inference_mode():
                 evaluation = evaluate(encoder, self.dataset, settings, name=column, candidates=self._candidates())
+            if "index_dir" in evaluation.details:
+                experiment.log(f"{column}: index {evaluation.details['index_dir']} "
+                               f"({evaluation.details.get('index_opened', 'opened')})")
             yield self.save(column, evaluation, identity, model, encoder, self._extras(column, evaluation, encoder))
         else:
+            experiment.log(f"{column} on {self.dataset.name}: kept {self.folder / f'{column}.json'} (finished with "
+                           "the same settings)")
             yield Column(column, record)
         for transform in spec.transforms:
             name = spec.transform_column(encoder, settings.mode, transform)
@@ -300,6 +307,8 @@ class DatasetRun:
             transform_id = {**identity, "column": {**model_id, "transform": fitted}}
             record = self.finished(name, transform_id)
             if record is not None:
+                experiment.log(f"{name} on {self.dataset.name}: kept {self.folder / f'{name}.json'} (finished with "
+                               "the same settings)")
                 yield Column(name, record)
                 continue
             experiment.log(f"evaluate {name} on {self.dataset.name}")
@@ -428,6 +437,8 @@ def finish_dataset(experiment: Experiment, part: DatasetRun, columns: list[Colum
                 "statistics": asdict(stats), "dataset_spec": asdict(part.spec), "identity": part.identity}
     path = write_results(part.folder, part.dataset, evaluations, settings, models, statistics=statistics,
                          write_runs=False)
+    experiment.log(f"wrote {part.folder}/: metrics.json, per_query.json; per column <name>.json and <name>.trec "
+                   f"({', '.join(column.name for column in columns)})")
     return DatasetResult(part.spec.folder_key, part.dataset, columns, statistics, path)
 
 

@@ -277,7 +277,7 @@ def build_index(encoder: Encoder, doc_ids: Sequence[str], texts: Sequence[str], 
                                        "corpus_fingerprint": corpus_fp, "encoding_precision": precision},
                              chunk_docs=chunk_docs, batch_size=batch_size, quantize=quantize,
                              calibration_texts=_calibration_texts(texts, calibration_docs), precision=precision,
-                             progress=progress, description=f"encoding {directory.name}",
+                             progress=progress, description=f"encoding {directory}",
                              tokenizer_workers=tokenizer_workers)
         identity = encode_corpus(job, processes)
         metas = collect_chunks(build / CHUNKS_DIR, len(texts), chunk_docs, heads, identity)
@@ -383,20 +383,27 @@ def open_or_build_index(encoder: Encoder, doc_ids: Sequence[str], texts: Sequenc
     with file_lock(lock_path(directory), what=f"building {directory.name}"):
         index = _open_matching(directory, corpus_fp, encoder, verify)
         if index is None:
-            return build()
+            return _opened(build(), "built")
         reason = _rebuild_reason(index, texts, build_kwargs)
         if reason is not None:
             logger.info("%s: %s: rebuilding it", directory, reason)
-            return build()
+            return _opened(build(), f"rebuilt: {reason}")
         if same_search_structures(index, config):
-            return index
+            return _opened(index, "reused")
         if index.compressed_only:
             logger.info("%s: compressed-only index with other settings: rebuilding it", directory)
-            return build()
+            return _opened(build(), "rebuilt: a compressed-only index with other settings")
         logger.info("%s: search structures differ (%s -> %s): rebuilding them only", directory,
                     index.backend_settings["kind"], config.kind)
-        return rebuild_search_structures(index, config, use_gpu=use_gpu, progress=build_kwargs.get("progress", True),
-                                         gpu_device=build_kwargs.get("gpu_device", 0), device=encoder.device)
+        return _opened(rebuild_search_structures(index, config, use_gpu=use_gpu,
+                                                 progress=build_kwargs.get("progress", True),
+                                                 gpu_device=build_kwargs.get("gpu_device", 0), device=encoder.device),
+                       f"encodings reused, {config.kind} search structures built")
+
+
+def _opened(index: TokenIndex, how: str) -> TokenIndex:
+    index.how_opened = how
+    return index
 
 
 def _rebuild_reason(index: TokenIndex, texts: Sequence[str], build_kwargs: dict[str, Any]) -> str | None:

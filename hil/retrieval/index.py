@@ -203,6 +203,9 @@ class TokenIndex(TokenStore):
         # What was checked when it was opened: "full" (sizes and checksums), "sizes", or "none" (an index written
         # before files were recorded).
         self.verified = "none"
+        # How :func:`~hil.retrieval.builder.open_or_build_index` got it ("built", "reused", ...): what a command
+        # announces.
+        self.how_opened = "opened"
         # Search structures a back-end loaded on first use (FAISS indexes, centroid plans), by the back-end's own
         # keys: they live as long as this opened index, so repeated searches do not load them again.
         self.search_structures: dict[tuple[Any, ...], Any] = {}
