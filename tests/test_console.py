@@ -138,9 +138,13 @@ def test_hil_index_and_search(tiny, tmp_path, capsys):
 
 # -- the README's commands ---------------------------------------------------------------------------------------
 
+DOCUMENTS = (README, README.parent / "docs" / "guide.md", README.parent / "docs" / "results.md")
+
+
 def readme_commands(prefixes: tuple[str, ...]) -> list[str]:
-    """Every command line of the README's code blocks starting with one of ``prefixes`` (continuations joined)."""
-    text = README.read_text(encoding="utf-8")
+    """Every command line of the README's (and docs/guide.md's, docs/results.md's) code blocks starting with one of
+    ``prefixes`` (continuations joined)."""
+    text = "\n".join(path.read_text(encoding="utf-8") for path in DOCUMENTS)
     commands = []
     for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
         for line in block.replace("\\\n", " ").splitlines():

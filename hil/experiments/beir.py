@@ -163,7 +163,7 @@ def dataset_specs(selection: Selection, args: argparse.Namespace) -> list[Datase
         folder, first = selection.local.get(part), beir_set.first_stage
         if first is not None and folder is None:
             raise UserError(f"--datasets {beir_set.key}: {part}: not found under {data_root(args.data_dir)} (it is "
-                            f"read locally, with its first-stage run {first.run_file}; README, 'TREC DL 2019 and "
+                            f"read locally, with its first-stage run {first.run_file}; docs/guide.md, 'TREC DL 2019 and "
                             "2020': where the official files come from)")
         specs.append(DatasetSpec(str(folder) if folder is not None else part, split=beir_set.split,
                                  first_stage_run=str(folder / first.run_file) if first is not None else None,

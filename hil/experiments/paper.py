@@ -153,7 +153,7 @@ def run_profile(profile: Profile, out: Path, *, variants: list[str] | None = Non
         datasets, absent = default_datasets()
         for key in absent:  # e.g. TREC DL20, which is not in ../shared: evaluated once its folder is laid out
             log(f"{key}: {DATASETS[key][1]} not found under ${DATA_DIR_ENV}, left out "
-                f"(README, 'TREC DL 2019 and 2020')")
+                f"(docs/guide.md, 'TREC DL 2019 and 2020')")
     unknown = sorted(set(variants) - set(VARIANTS)) + sorted(set(datasets) - set(DATASETS))
     if unknown:
         raise ExperimentError(f"unknown variant or dataset {unknown}; variants {list(VARIANTS)}, "

@@ -83,7 +83,7 @@ class RerankingSet:
     run's passages, ``queries.jsonl``, ``qrels/test.tsv`` and the run file), never by full ranking.
 
     ``optional``: left out of a run that does not name it when its folder is not found (a set that is not in
-    ``../shared``; the README says where its official files come from)."""
+    ``../shared``; docs/guide.md says where its official files come from)."""
 
     folder: str
     label: str

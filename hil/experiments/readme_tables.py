@@ -1,16 +1,16 @@
 """The README's tables of measured figures, rendered from the results files that hold them.
 
     python -m hil.experiments.readme_tables            # check: exit 1 naming each table that differs from its files
-    python -m hil.experiments.readme_tables --write    # rewrite those tables in README.md from the files
+    python -m hil.experiments.readme_tables --write    # rewrite those tables (README.md, docs/results.md)
 
-Each table stands in ``README.md`` between ``<!-- table: <name> ... -->`` and ``<!-- /table -->``; what is between
+Each table stands in ``README.md`` or ``docs/results.md`` between ``<!-- table: <name> ... -->`` and ``<!-- /table -->``; what is between
 the markers is this module's rendering of the results files that :data:`TABLES` names, and nothing else, so a figure
 changes only with the file (and the command) it comes from. ``tests/test_readme_tables.py`` checks that the README
 equals the rendering of the committed files.
 
 - ``paper-cpu-fidelity``: ``docs/paper-cpu-fidelity/summary.json``, written by ``python -m hil.experiments.paper``
   (``--publish docs/paper-cpu-fidelity``; ``--report-only`` recomputes it from the ``eval/`` records beside it).
-- ``distill-cpu``: ``docs/distill-cpu/table.json``, written by ``hil beir`` over the distilled models (README,
+- ``distill-cpu``: ``docs/distill-cpu/table.json``, written by ``hil beir`` over the distilled models (docs/results.md,
   "Distillation and n-way training").
 - ``measured-here``: the ``metrics.json`` of ``make demo`` and of the commands :data:`MEASURED_HERE` lists beside
   each row. A row whose file is not there is rendered as ``-`` and named under the table with its command, instead
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from dataclasses import dataclass
@@ -36,6 +37,8 @@ from hil.evaluation.tables import adjustment_legend, markdown_table, p_value, pc
 from hil.provenance import write_text_atomic
 
 README = "README.md"
+RESULTS = "docs/results.md"
+DOCUMENTS = (README, RESULTS)  # where marked tables may stand (the measured results live in docs/results.md)
 BEGIN = re.compile(r"^<!-- table: (?P<name>[\w-]+)\b.*-->$")
 END = "<!-- /table -->"
 PAPER_SUMMARY = "docs/paper-cpu-fidelity/summary.json"
@@ -107,7 +110,7 @@ def measured_run(record: dict[str, Any], path: str, run: str) -> dict[str, float
     return _field(results, path, names[0], "metrics")
 
 
-def render_measured_here(root: Path) -> list[str]:
+def render_measured_here(root: Path, document: str = README) -> list[str]:
     """The "Measured here" table and, under it, the command and file of each row (a row without its file: ``-``)."""
     rows = []
     for row in MEASURED_HERE:
@@ -140,7 +143,7 @@ def _paper_cell(summary: dict[str, Any], key: str, name: str) -> str:
     return f"{text} ({100 * _field(row, PAPER_SUMMARY, 'diff_vs_colbert'):+.2f}, {p})"
 
 
-def render_paper_cpu_fidelity(root: Path) -> list[str]:
+def render_paper_cpu_fidelity(root: Path, document: str = README) -> list[str]:
     """nDCG@10 of BM25, ColBERT and the two HIL recipes on SciFact, NFCorpus (their average) and DL19."""
     summary = read_json(root, PAPER_SUMMARY)
     if summary is None:
@@ -160,7 +163,7 @@ def render_paper_cpu_fidelity(root: Path) -> list[str]:
 DISTILL_TABLE = "docs/distill-cpu/table.json"
 
 
-def render_distill_cpu(root: Path) -> list[str]:
+def render_distill_cpu(root: Path, document: str = README) -> list[str]:
     """The distillation evidence (issue 22): ``hil beir``'s Table 2 record of the triples-trained demo ColBERT and
     the distilled models beside BM25, rendered by the BEIR command's own renderer (intervals, p-values raw and
     adjusted, daggers, legend)."""
@@ -168,7 +171,7 @@ def render_distill_cpu(root: Path) -> list[str]:
 
     table = read_json(root, DISTILL_TABLE)
     if table is None:
-        raise UserError(f"{root / DISTILL_TABLE}: not found (the hil beir command in README, 'Distillation and "
+        raise UserError(f"{root / DISTILL_TABLE}: not found (the hil beir command in docs/results.md, 'Distillation and "
                         "n-way training', writes it: --out docs/distill-cpu)")
     stats = _field(table, DISTILL_TABLE, "statistics")
     legend = (f"Baseline: {table['baseline']}. " + adjustment_legend(stats.get("p_adjust", "none"),
@@ -177,31 +180,33 @@ def render_distill_cpu(root: Path) -> list[str]:
     return [*main_lines(table), "", legend, "", *detail_lines(table)]
 
 
-def render_seeds_cpu(root: Path) -> list[str]:
+def render_seeds_cpu(root: Path, document: str = README) -> list[str]:
     """HIL against seed noise (issue 30): ``hil paper --seeds``'s ``seeds.json``, nDCG@10 per dataset, with the
     plain statements, rendered by the seed report's own renderers."""
     from hil.experiments.seed_report import seed_lines, statement_lines
 
     record = read_json(root, SEEDS_TABLE)
     if record is None:
-        raise UserError(f"{root / SEEDS_TABLE}: not found (README, 'Seeds': hil paper --seeds ... --publish "
+        raise UserError(f"{root / SEEDS_TABLE}: not found (docs/results.md, 'Over training seeds': hil paper --seeds ... --publish "
                         "docs/seeds-cpu writes it)")
     tables, seeds = _field(record, SEEDS_TABLE, "tables"), _field(record, SEEDS_TABLE, "settings", "seeds")
     return [*statement_lines(tables), "", *seed_lines(tables, seeds, metrics=("ndcg@10",))]
 
 
-def render_engines(root: Path) -> list[str]:
-    """The isotropy x engine study (issue 30): ``hil engines``'s ``engines.json``, rendered by its own renderer."""
+def render_engines(root: Path, document: str = README) -> list[str]:
+    """The isotropy x engine study (issue 30): ``hil engines``'s ``engines.json``, rendered by its own renderer (the
+    figure linked relative to ``document``)."""
     from hil.experiments.engines import engine_lines
 
     record = read_json(root, ENGINES_TABLE)
     if record is None:
-        raise UserError(f"{root / ENGINES_TABLE}: not found (README, 'Isotropy and engines': hil engines --out "
+        raise UserError(f"{root / ENGINES_TABLE}: not found (docs/results.md, 'Isotropy and engines': hil engines --out "
                         f"{Path(ENGINES_TABLE).parent} writes it)")
-    return engine_lines(record, f"{Path(ENGINES_TABLE).parent}/engines_isotropy.png")[2:]
+    figure = os.path.relpath(Path(ENGINES_TABLE).parent / "engines_isotropy.png", Path(document).parent)
+    return engine_lines(record, Path(figure).as_posix())[2:]
 
 
-TABLES: dict[str, Callable[[Path], list[str]]] = {
+TABLES: dict[str, Callable[[Path, str], list[str]]] = {
     "paper-cpu-fidelity": render_paper_cpu_fidelity,
     "measured-here": render_measured_here,
     "distill-cpu": render_distill_cpu,
@@ -232,13 +237,13 @@ def table_blocks(text: str, path: str = README) -> dict[str, tuple[int, int]]:
     return blocks
 
 
-def rendered(text: str, root: Path) -> tuple[str, list[str]]:
-    """``text`` (the README) with every marked table rendered from the files under ``root``, and the names of the
-    tables that changed."""
+def rendered(text: str, root: Path, document: str = README) -> tuple[str, list[str]]:
+    """``text`` (``document``: the README or docs/results.md) with every marked table rendered from the files under
+    ``root``, and the names of the tables that changed."""
     lines = text.splitlines()
     changed = []
-    for name, (first, end) in sorted(table_blocks(text).items(), key=lambda item: -item[1][0]):
-        block = TABLES[name](root)
+    for name, (first, end) in sorted(table_blocks(text, document).items(), key=lambda item: -item[1][0]):
+        block = TABLES[name](root, document)
         if lines[first:end] != block:
             changed.append(name)
             lines[first:end] = block
@@ -251,21 +256,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--root", default=".", help="the repository root (README.md, docs/, results/)")
     parser.add_argument("--write", action="store_true", help="rewrite the tables that differ (default: check)")
     args = parser.parse_args(argv)
-    readme = Path(args.root) / README
-    try:
-        text = readme.read_text(encoding="utf-8")
-        new, changed = rendered(text, Path(args.root))
-    except (OSError, UserError) as error:
-        print(f"error: {one_line(error)}", file=sys.stderr)
-        return 2
-    if args.write and changed:
-        write_text_atomic(readme, new)
-        print(f"{readme}: rewrote {', '.join(changed)}")
-    elif changed:
-        print(f"{readme}: {', '.join(changed)} differ from their results files "
-              "(python -m hil.experiments.readme_tables --write)", file=sys.stderr)
-        return 1
-    return 0
+    stale = 0
+    for document in DOCUMENTS:
+        path = Path(args.root) / document
+        if document != README and not path.is_file():
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+            new, changed = rendered(text, Path(args.root), document)
+        except (OSError, UserError) as error:
+            print(f"error: {one_line(error)}", file=sys.stderr)
+            return 2
+        if args.write and changed:
+            write_text_atomic(path, new)
+            print(f"{path}: rewrote {', '.join(changed)}")
+        elif changed:
+            print(f"{path}: {', '.join(changed)} differ from their results files "
+                  "(python -m hil.experiments.readme_tables --write)", file=sys.stderr)
+            stale = 1
+    return stale
 
 
 if __name__ == "__main__":
