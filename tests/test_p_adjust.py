@@ -322,3 +322,14 @@ def test_every_command_with_several_comparisons_takes_p_adjust(command):
     with pytest.raises((SystemExit, UserError)) as refused:  # a UserError is printed as one line, exit 2
         parser().parse_args([*required, "--p-adjust", "bonferroni"])
     assert "p-adjust" in str(refused.value) if refused.type is UserError else refused.value.code == 2
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(P, min_size=1, max_size=12))
+def test_holm_and_bh_equal_statsmodels_multipletests(raw):
+    """The library's numbers on any family: Holm (hand-written here: scipy has none) is statsmodels' ``holm``; BH
+    (scipy's ``false_discovery_control``) is statsmodels' ``fdr_bh``."""
+    from statsmodels.stats.multitest import multipletests
+
+    assert adjust_p_values(raw, "holm") == pytest.approx(multipletests(raw, method="holm")[1], abs=1e-12)
+    assert adjust_p_values(raw, "bh") == pytest.approx(multipletests(raw, method="fdr_bh")[1], abs=1e-12)
