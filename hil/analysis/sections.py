@@ -37,6 +37,7 @@ from hil.evaluation.evaluate import Evaluation
 from hil.evaluation.results import evaluation_statistics
 from hil.evaluation.runs import ranked
 from hil.evaluation.score_distributions import bootstrap_thresholds, overlap_coe_roe, threshold_analysis
+from hil.modeling.contracts import Encoder
 from hil.retrieval.store import TokenStore
 from hil.retrieval.transformed import sample_token_vectors
 
@@ -47,7 +48,7 @@ class Variant:
 
     name: str
     source: str
-    encoder: Any
+    encoder: Encoder
     evaluation: Evaluation
     index: TokenStore
     transform: str | None = None
