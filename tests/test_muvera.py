@@ -476,3 +476,21 @@ def test_evaluate_full_ranking_through_muvera(hf_tokenizer, tmp_path):
                                                       search=MuveraSearchConfig(n_candidates=3), **common))
     assert narrow.details["search_stats"]["search"]["n_candidates"] == 3
     assert narrow.details["search_stats"]["candidates_max"] <= 3
+
+
+@pytest.mark.integration
+def test_fewer_muvera_candidates_than_k_are_said(tiny_model_dir, tmp_path):
+    """A head proposing ``n_candidates`` < k documents makes runs shorter than k: said once, as PLAID's ``ndocs``
+    (the warning comes from the back-end's own cap, not from a branch on its kind)."""
+    from hil.data.beir import load_beir
+    from hil.evaluation.evaluate import EvaluationSettings, evaluate
+    from hil.modeling.loading import load_encoder
+    from hil.retrieval.backends.configs import MuveraIndexConfig, MuveraSearchConfig
+
+    dataset = load_beir("scifact").subset(3, 40, seed=1)
+    encoder = load_encoder(str(tiny_model_dir), dim=16)
+    settings = EvaluationSettings(mode="full", k=10, index_root=str(tmp_path), progress=False,
+                                  backend=MuveraIndexConfig(), search=MuveraSearchConfig(n_candidates=4),
+                                  metrics=("ndcg@10",))
+    with pytest.warns(UserWarning, match="muvera: n_candidates=4 < k=10"):
+        evaluate(encoder, dataset, settings)

@@ -30,7 +30,7 @@ import torch
 from hil.modeling.contracts import EncodedBatch, Encoder
 from hil.retrieval.backends.base import CandidatePairs, SearchBackend
 from hil.retrieval.backends.configs import SearchConfig, with_search_values
-from hil.retrieval.backends.registry import open_backend
+from hil.retrieval.backends.registry import backend_class, open_backend
 from hil.retrieval.devices import resolve_device
 from hil.retrieval.encoding import eval_mode
 from hil.retrieval.index import TokenIndex
@@ -175,18 +175,15 @@ def full_rank(encoder: Encoder, index: TokenIndex, queries: dict[str, str], *, k
     qids, texts = query_items(queries)
     heads = tuple(encoder.head_names)
     kind = index.backend_settings["kind"]
-    if kind == "plaid":  # ``max_candidates`` is PLAID's ``ndocs``
-        fields = {"ndocs": max_candidates, "nprobe": nprobe, "stage2_docs": stage2_docs, "ncandidates": ncandidates}
-    else:
-        fields = {"ncandidates": ncandidates, "max_candidates": max_candidates, "nprobe": nprobe,
-                  "stage2_docs": stage2_docs}
+    fields = backend_class(kind).keyword_search_values(ncandidates=ncandidates, max_candidates=max_candidates,
+                                                       nprobe=nprobe, stage2_docs=stage2_docs)
     search = with_search_values(kind, search, fields)
     backend = open_backend(index, search, use_gpu=use_gpu, gpu_device=gpu_device,
                            device=None if device is None else resolve_device(device), depth=k)
-    candidates_cap = getattr(backend.search, "ndocs", None) if kind == "plaid" else None
-    if candidates_cap is not None and candidates_cap < k:  # a run shorter than k would be read as one of depth k
-        warnings.warn(f"plaid: ndocs={candidates_cap} < k={k}: each head proposes at most {candidates_cap} documents, "
-                      f"so a query may rank fewer than {k}", stacklevel=2)
+    cap = backend.candidates_per_head()
+    if cap is not None and cap[1] < k:  # a run shorter than k would be read as one of depth k
+        warnings.warn(f"{kind}: {cap[0]}={cap[1]} < k={k}: each head proposes at most {cap[1]} documents, so a "
+                      f"query may rank fewer than {k}", stacklevel=2)
     if block_tokens is None:
         block_tokens = BLOCK_TOKENS.get(encoder.device.type, ACCELERATOR_BLOCK_TOKENS)
     ranking = _Ranking(index, heads, keep_candidate_sources)

@@ -155,6 +155,19 @@ class SearchBackend(ABC):
         to search the whole batch on the device at once; by default the per-query candidates are converted."""
         return CandidatePairs.from_candidates(self.candidates(queries, heads), queries.mask.device)
 
+    @classmethod
+    def keyword_search_values(cls, *, ncandidates: int | None, max_candidates: int | None, nprobe: int | None,
+                              stage2_docs: int | None) -> dict[str, int | None]:
+        """:func:`~hil.retrieval.full_ranking.full_rank`'s keyword settings as this kind's search fields (None:
+        not given; fields the kind lacks are refused by its :class:`SearchConfig` when given)."""
+        return {"ncandidates": ncandidates, "max_candidates": max_candidates, "nprobe": nprobe,
+                "stage2_docs": stage2_docs}
+
+    def candidates_per_head(self) -> tuple[str, int] | None:
+        """(the setting, its value): the most documents one head proposes for a query (None: no fixed cap). A cap
+        below the ranking depth makes runs shorter than ``k``, which the caller says."""
+        return None
+
     def search_stats(self) -> dict[str, Any]:
         """The search-time settings as this back-end used them (read back from its structures where they hold
         them, e.g. a FAISS index's ``nprobe``), with its ``kind``: what a results file records."""

@@ -58,6 +58,15 @@ class PlaidBackend(SearchBackend):
     index_config = PlaidIndexConfig
     search_config = PlaidSearchConfig
 
+    @classmethod
+    def keyword_search_values(cls, *, ncandidates: int | None, max_candidates: int | None, nprobe: int | None,
+                              stage2_docs: int | None) -> dict[str, int | None]:
+        """``max_candidates`` is PLAID's ``ndocs`` (each head's documents kept by centroid interaction)."""
+        return {"ndocs": max_candidates, "nprobe": nprobe, "stage2_docs": stage2_docs, "ncandidates": ncandidates}
+
+    def candidates_per_head(self) -> tuple[str, int] | None:
+        return ("ndocs", self.search.ndocs) if self.search.ndocs is not None else None
+
     # -- building -----------------------------------------------------------------------------------------------
     @classmethod
     def resolve_params(cls, config: IndexConfig, n_tokens: int, dim: int) -> dict[str, Any]:

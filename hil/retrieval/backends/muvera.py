@@ -215,6 +215,10 @@ class MuveraBackend(SearchBackend):
             cache[key] = (index, sketch, arrays.get("transform_mean"), arrays.get("transform_matrix"))
         return cache[key]
 
+    def candidates_per_head(self) -> tuple[str, int] | None:
+        given = self.search.n_candidates
+        return ("n_candidates", given) if given is not None else None
+
     @property
     def n_candidates(self) -> int:
         """Documents each head's FDE search returns: ``n_candidates`` (default for the depth, else 100), at most
