@@ -103,7 +103,7 @@ def test_dl20_is_in_the_default_datasets_only_when_laid_out(data_dir, tmp_path, 
     empty.mkdir()
     assert default_datasets(empty) == (["scifact", "nfcorpus", "dl19"], ["dl20"])
     monkeypatch.setenv("HIL_DATA_DIR", str(empty))
-    with pytest.raises(MissingInputError, match="msmarco/dl20: not found under .*README"):
+    with pytest.raises(MissingInputError, match="msmarco/dl20: not found under .*docs/guide.md"):
         load_dataset("dl20", PROFILES["smoke"])  # named but not there: one line, never the hub
 
 
