@@ -52,7 +52,10 @@ def test_settings_refuse_an_unknown_metric_before_any_work():
 def test_measurable_metrics_keep_the_cutoffs_the_depth_reaches():
     assert measurable_metrics(("ndcg@10", "recall@100", "recall@1000", "map"), 100) == (
         ("ndcg@10", "recall@100", "map"), ("recall@1000",))
-    assert measurable_metrics(("ndcg@10",), 5) == ((), ("ndcg@10",))
+    assert measurable_metrics(("recall@10", "mrr@10", "success@10", "map@10"), 5) == (
+        (), ("recall@10", "mrr@10", "success@10", "map@10"))
+    # nDCG@10 (ideal DCG over 10) and P@10 (divided by 10) of a top-5 run are not their values at 5: kept
+    assert measurable_metrics(("ndcg@10", "p@10", "recall@5"), 5) == (("ndcg@10", "p@10", "recall@5"), ())
 
 
 def _experiment(tiny_model_dir, out, k, metrics):
@@ -66,7 +69,7 @@ def _experiment(tiny_model_dir, out, k, metrics):
 def test_columns_hold_only_the_metrics_their_depth_measures(tiny_model_dir, tmp_path, capsys):
     run_experiment(_experiment(tiny_model_dir, tmp_path / "k50", 50, ("ndcg@10", "R@20", "recall@100",
                                                                       "recall@1000")))
-    assert "recall@100, recall@1000 left out (the runs hold 50 documents per query)" in capsys.readouterr().err
+    assert "recall@100, recall@1000 left out (the runs hold 50 documents per query" in capsys.readouterr().err
     record = json.loads((tmp_path / "k50" / "set" / "metrics.json").read_text())
     for column in ("bm25", "tiny"):
         assert list(record["results"][column]["metrics"]) == ["ndcg@10", "recall@20"], column

@@ -94,14 +94,20 @@ def canonical_metric(name: str) -> str:
     return base if k is None else f"{base}@{k}"
 
 
+# Measures whose value at a cutoff beyond the run's depth equals their value at the depth (the documents a run
+# lacks count as not retrieved, and nothing else depends on the cutoff): recall@1000 of a top-100 run is its
+# recall@100. nDCG@k (ideal DCG over k) and P@k (divided by k) still depend on k: they are kept.
+DEPTH_BOUND_MEASURES = ("recall", "mrr", "success", "map")
+
+
 def measurable_metrics(metrics: Iterable[str], depth: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """-> (the metrics a run of ``depth`` documents per query measures, those it cannot): a cutoff above the depth
-    (``recall@1000`` of a top-100 run) would only repeat the value at the depth under another name; a metric
-    without a cutoff is measured on the whole run."""
+    """-> (the metrics a run of ``depth`` documents per query measures, those it cannot): one of
+    :data:`DEPTH_BOUND_MEASURES` with a cutoff above the depth would only repeat its value at the depth under
+    another name. A metric without a cutoff is measured on the whole run."""
     kept, dropped = [], []
     for name in metrics:
-        _, k = parse_metric(name)
-        (dropped if k is not None and k > depth else kept).append(name)
+        base, k = parse_metric(name)
+        (dropped if base in DEPTH_BOUND_MEASURES and k is not None and k > depth else kept).append(name)
     return tuple(kept), tuple(dropped)
 
 

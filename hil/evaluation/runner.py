@@ -187,7 +187,7 @@ class DatasetRun:
             raise UserError(f"{self.spec.folder_key}: no metric measurable on runs of {depth} documents per query "
                             f"(metrics {', '.join(dropped)}): raise k or the re-ranking depth")
         self.experiment.log(f"{self.spec.folder_key}: {', '.join(dropped)} left out (the runs hold {depth} "
-                            "documents per query)")
+                            f"documents per query: each would equal its value at {depth})")
         self.settings = replace(settings, metrics=kept)
         if self.first is not None:
             self.first = replace(self.first, aggregate={m: self.first.aggregate[m] for m in kept},
