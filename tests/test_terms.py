@@ -122,6 +122,25 @@ def test_ranking_batch_lays_documents_out_column_by_column(colbert):
         TripleBatch(batch.queries, batch.docs)
 
 
+def test_training_scores_come_from_the_encoders_own_method(colbert, monkeypatch):
+    """The batch asks the encoder (``training_head_scores``, the contract) and never branches on its class: an
+    encoder that scores otherwise is used as it says, once a step; the default is ``score_heads`` column by
+    column, computed here by hand."""
+    with torch.no_grad():
+        batch = nway(colbert, 3)
+        by_hand = torch.stack([colbert.score_heads(batch.queries, batch.column(j), all_pairs=False)["colbert"]
+                               for j in range(3)], dim=1)
+        assert torch.equal(batch.head_scores(colbert)["colbert"], by_hand)
+        calls = []
+        own = {"colbert": torch.full((3, 3), 7.0)}
+        monkeypatch.setattr(type(colbert), "training_head_scores",
+                            lambda self, q, d, n: calls.append(n) or (own, None))
+        fresh = RankingBatch(batch.queries, batch.docs)
+        assert fresh.head_scores(colbert) is own and fresh.head_scores(colbert) is own and calls == [3]
+        with pytest.raises(TypeError, match="needs a HILEncoder"):
+            fresh.hil_query_masks(colbert)
+
+
 # -- N = 2: the general path is the old math, bit for bit ---------------------------------------------------------
 
 

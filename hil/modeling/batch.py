@@ -25,7 +25,6 @@ from torch import Tensor
 
 from hil.isotropy.metrics import inter_iso
 from hil.modeling.contracts import EncodedBatch, Encoder
-from hil.modeling.hil import HILEncoder
 
 
 @dataclass
@@ -94,22 +93,18 @@ class RankingBatch:
     def head_scores(self, encoder: Encoder) -> dict[str, Tensor]:
         """Each head's training score of every (query, own document) pair: head -> (B, N). Computed once a step."""
         if "head_scores" not in self._cache:
-            if isinstance(encoder, HILEncoder):
-                late, masks = encoder.training_pair_scores(self.queries, self.docs, self.pair_index)  # head -> (N B,)
-                self._cache["query_masks"] = masks
-                scores = {head: self.as_matrix(late[head]) for head in encoder.head_names}
-            else:
-                columns = [encoder.score_heads(self.queries, self.column(j), all_pairs=False)
-                           for j in range(self.n_documents)]                                          # head -> (B,)
-                scores = {head: torch.stack([column[head] for column in columns], dim=1)
-                          for head in encoder.head_names}
-            self._cache["head_scores"] = scores
+            scores, masks = encoder.training_head_scores(self.queries, self.docs, self.n_documents)
+            self._cache["head_scores"], self._cache["query_masks"] = scores, masks
         return self._cache["head_scores"]
 
-    def hil_query_masks(self, encoder: HILEncoder) -> dict[str, Tensor]:
+    def hil_query_masks(self, encoder: Encoder) -> dict[str, Tensor]:
         """ColBERT-HIL's query tokens taking part in each head, of the paired queries: head -> (N B, Lq)."""
         self.head_scores(encoder)
-        return self._cache["query_masks"]
+        masks = self._cache["query_masks"]
+        if masks is None:
+            raise TypeError(f"{type(encoder).__name__} scores without per-head query masks (a ColBERT-HIL term "
+                            "needs a HILEncoder)")
+        return masks
 
 
 class TripleBatch(RankingBatch):

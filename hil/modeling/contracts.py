@@ -75,6 +75,18 @@ class Encoder(nn.Module, metaclass=ABCMeta):
         """Each head's own score: head -> (Bq, Bd) for every pair, or (B,) for row i with row i (``all_pairs``
         False). ``score`` combines them; analysis and the paper's per-module tables read them apart."""
 
+    def training_head_scores(self, queries: EncodedBatch, docs: EncodedBatch, n_documents: int
+                             ) -> tuple[dict[str, Tensor], dict[str, Tensor] | None]:
+        """Each head's training score of every (query, own document) pair of a batch of B queries with N documents
+        laid out column by column (document j of query i at row ``j B + i``): head -> (B, N); and each head's
+        query-token masks of the paired queries when the encoder scores with its own (else None). Called once a
+        training step (``hil.modeling.batch.RankingBatch.head_scores``). Default: :meth:`score_heads` column by
+        column (for N = 2, the positives, then the negatives)."""
+        b = len(queries)
+        columns = [self.score_heads(queries, docs.select(slice(j * b, (j + 1) * b)), all_pairs=False)
+                   for j in range(n_documents)]                                                  # head -> (B,)
+        return {head: torch.stack([column[head] for column in columns], dim=1) for head in self.head_names}, None
+
     @abstractmethod
     def score(self, queries: EncodedBatch, docs: EncodedBatch) -> Tensor:
         """Relevance of every query to every document. -> (Bq, Bd)"""

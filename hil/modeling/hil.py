@@ -288,6 +288,17 @@ class HILEncoder(MultiVectorEncoder):
             std = torch.full_like(std, self.config.zscore_temperature)
         return mean, std
 
+    def training_head_scores(self, queries: EncodedBatch, docs: EncodedBatch, n_documents: int
+                             ) -> tuple[dict[str, Tensor], dict[str, Tensor] | None]:
+        """The contract's training scores (:meth:`Encoder.training_head_scores`): every one of the N B pairs
+        scored in one :meth:`training_pair_scores` call (each head z-scored with the moments of the whole batch,
+        the running estimates updated once), as (B, N), with each head's query-token masks."""
+        b = len(queries)
+        pair_index = torch.arange(b, device=docs.mask.device).repeat(n_documents)  # (N B,)
+        late, masks = self.training_pair_scores(queries, docs, pair_index)        # head -> (N B,)
+        return {head: torch.stack([late[head][j * b:(j + 1) * b] for j in range(n_documents)], dim=1)
+                for head in self.head_names}, masks
+
     def training_pair_scores(self, queries: EncodedBatch, docs: EncodedBatch, pair_index: Tensor
                              ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         """Per-head ``score_late`` of (query ``pair_index[k]``, document k) for the training loss. -> head -> (P,).
