@@ -1,0 +1,56 @@
+"""Every compatibility shim of the package, with what replaces it and the release that removes it.
+
+Two kinds:
+- **spellings** (an old option, argument or name kept beside its replacement): each warns when used, and goes in
+  ``removed_in``. ``tests/test_compat.py`` checks that each is still where this table says, and fails once the
+  package's version reaches its ``removed_in``: the shim is then deleted, with this row.
+- **readers of old artifacts** (indexes, exports, results files written by an earlier version): kept while such
+  files exist (``removed_in`` None); each reads the old layout as the version that wrote it meant it.
+
+The command aliases ``train.py`` / ``hil-train`` (= ``hil fit``) and ``evaluate.py`` / ``hil-evaluate`` take the
+same options as the ``hil`` subcommands and stay.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Shim:
+    """``old`` (found in ``module`` as written) is replaced by ``new``; removed in ``removed_in`` (None: kept)."""
+
+    old: str
+    module: str
+    new: str
+    removed_in: str | None
+
+
+SHIMS = (
+    # spellings from before 0.2 (typed back-end settings replaced FAISS-only names)
+    Shim("--faiss", "hil/evaluation/cli.py", "--backend", "0.3.0"),
+    Shim("--faiss-params", "hil/evaluation/cli.py", "--backend-params", "0.3.0"),
+    Shim("--faiss", "hil/experiments/beir.py", "--backend", "0.3.0"),
+    Shim("--faiss", "hil/analysis/cli.py", "--backend", "0.3.0"),
+    Shim("backend_params", "hil/evaluation/evaluate.py", "EvaluationSettings(backend=IndexConfig, search=SearchConfig)",
+         "0.3.0"),
+    Shim("ncandidates", "hil/evaluation/evaluate.py", "SearchConfig.ncandidates", "0.3.0"),
+    Shim("faiss_kind", "hil/retrieval/builder.py", "build_index(backend=...)", "0.3.0"),
+    Shim("def rebuild_faiss", "hil/retrieval/builder.py", "rebuild_search_structures", "0.3.0"),
+    Shim("faiss_kind", "hil/retrieval/transformed.py", "derive_index(backend=...)", "0.3.0"),
+    Shim("FAISS_KINDS", "hil/retrieval/backends/registry.py", "BACKEND_KINDS", "0.3.0"),
+    Shim("faiss_settings = backend_settings", "hil/retrieval/index.py", "TokenIndex.backend_settings", "0.3.0"),
+    Shim("TrainingLoss = Term", "hil/modeling/terms.py", "hil.modeling.terms.Term", "0.3.0"),
+    # readers of artifacts written by earlier versions
+    Shim('"faiss"', "hil/retrieval/index.py", 'index.json "backend" (indexes written before 0.2)', None),
+    Shim("LEGACY_SEARCH_PARAMS", "hil/retrieval/index.py", "search-time settings outside index.json (before 0.2)",
+         None),
+    Shim("written before hil recorded file sizes", "hil/retrieval/integrity.py",
+         "index.json's file records (older indexes open unverified, with a warning)", None),
+    Shim("identities made before it existed", "hil/evaluation/runner.py",
+         "query_encoding in a column's identity only when set", None),
+    Shim("written before adjusted p-values existed", "hil/experiments/report.py",
+         "results without adjusted p-values read as unadjusted", None),
+    Shim("written before ``attend_to_mask_tokens`` existed", "hil/modeling/encoder_settings.py",
+         "exports and checkpoints without the v1 conventions keep the convention they were trained with", None),
+)

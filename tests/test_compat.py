@@ -1,0 +1,42 @@
+"""The compatibility shims are all listed (hil.compat.SHIMS), each still where the list says, and none outlives the
+release that removes it: when ``hil.__version__`` reaches a shim's ``removed_in``, this fails until the shim and
+its row are deleted."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import hil
+from hil.compat import SHIMS
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def version(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split(".")[:3])
+
+
+@pytest.mark.parametrize("shim", SHIMS, ids=lambda s: f"{s.module}:{s.old}")
+def test_each_listed_shim_is_where_the_list_says(shim):
+    assert shim.old in (REPO / shim.module).read_text(encoding="utf-8"), (
+        f"{shim.old!r} is no longer in {shim.module}: remove its row from hil/compat.py")
+
+
+@pytest.mark.parametrize("shim", [s for s in SHIMS if s.removed_in], ids=lambda s: f"{s.module}:{s.old}")
+def test_no_shim_outlives_the_release_that_removes_it(shim):
+    assert version(hil.__version__) < version(shim.removed_in), (
+        f"{shim.old} ({shim.module}) goes in {shim.removed_in}: delete it (use {shim.new}) and its row")
+
+
+def test_the_deprecated_spellings_say_so_when_used():
+    """Two of the listed spellings, used: each warns and names its replacement."""
+    from hil.evaluation.evaluate import EvaluationSettings
+
+    with pytest.warns(DeprecationWarning, match="deprecated"):
+        EvaluationSettings(backend="ivfflat", backend_params={"nlist": 4, "nprobe": 2}, index_root="x")
+    from hil.retrieval.builder import backend_from
+
+    with pytest.warns(DeprecationWarning, match="deprecated"):
+        backend_from(faiss_kind="flat")
