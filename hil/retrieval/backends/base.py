@@ -24,7 +24,7 @@ import torch
 
 from hil.data.errors import UserError
 from hil.modeling.contracts import EncodedBatch
-from hil.retrieval.backends.configs import IndexConfig, SearchConfig, check_search
+from hil.retrieval.backends.configs import IndexConfig, SearchConfig, check_search, register_kind
 from hil.retrieval.codec import ResidualCodec
 from hil.retrieval.index import TokenIndex
 from hil.retrieval.store import TokenTable
@@ -74,6 +74,9 @@ class CandidatePairs:
         return [Candidates(docs[lo:hi], flags[lo:hi]) for lo, hi in zip(bounds[:-1], bounds[1:])]
 
 
+BACKENDS: dict[str, "type[SearchBackend]"] = {}  # kind -> class, filled as back-end classes are defined
+
+
 class SearchBackend(ABC):
     """Candidate generation over one opened :class:`~hil.retrieval.index.TokenIndex` (see the module docstring).
 
@@ -89,6 +92,16 @@ class SearchBackend(ABC):
     index_config: ClassVar[type[IndexConfig]]
     search_config: ClassVar[type[SearchConfig]]
     stores_files: ClassVar[bool] = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A class that names its own ``kind`` is registered under it (the one registry: :data:`BACKENDS`, and its
+        settings classes in :mod:`~hil.retrieval.backends.configs`): defining a back-end is all it takes."""
+        super().__init_subclass__(**kwargs)
+        if "kind" in cls.__dict__:
+            if BACKENDS.get(cls.kind, cls) is not cls:
+                raise ValueError(f"back-end kind {cls.kind!r} is already {BACKENDS[cls.kind].__qualname__}")
+            register_kind(cls.kind, cls.index_config, cls.search_config)
+            BACKENDS[cls.kind] = cls
 
     def __init__(self, index: TokenIndex, search: SearchConfig | None = None, *, use_gpu: bool = False,
                  gpu_device: int = 0, device: torch.device | None = None, depth: int | None = None):

@@ -272,18 +272,28 @@ class MuveraSearchConfig(SearchConfig):
         return self if self.n_candidates is not None else MuveraSearchConfig(max(k, MUVERA_MIN_CANDIDATES))
 
 
-INDEX_CONFIGS: dict[str, type[IndexConfig]] = {
-    config.kind: config for config in (FlatIndexConfig, IvfFlatIndexConfig, IvfPqIndexConfig, PlaidIndexConfig,
-                                       MuveraIndexConfig)}
-SEARCH_CONFIGS: dict[str, type[SearchConfig]] = {
-    "flat": FlatSearchConfig, "ivfflat": IvfSearchConfig, "ivfpq": IvfSearchConfig, "plaid": PlaidSearchConfig,
-    "muvera": MuveraSearchConfig}
-BACKEND_KINDS = tuple(INDEX_CONFIGS)
+# kind -> its build-time and search-time settings: filled as each back-end class is defined
+# (:meth:`hil.retrieval.backends.base.SearchBackend.__init_subclass__`); the package imports the built-in ones.
+INDEX_CONFIGS: dict[str, type[IndexConfig]] = {}
+SEARCH_CONFIGS: dict[str, type[SearchConfig]] = {}
+
+
+def register_kind(kind: str, index: type[IndexConfig], search: type[SearchConfig]) -> None:
+    """Make ``kind`` known with its settings classes (a second, different registration is refused)."""
+    if INDEX_CONFIGS.get(kind, index) is not index or SEARCH_CONFIGS.get(kind, search) is not search:
+        raise ValueError(f"back-end kind {kind!r} is already registered with other settings classes")
+    INDEX_CONFIGS[kind], SEARCH_CONFIGS[kind] = index, search
+
+
+def __getattr__(name: str) -> Any:
+    if name == "BACKEND_KINDS":  # the kinds registered so far, in the order their classes were defined
+        return tuple(INDEX_CONFIGS)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def check_kind(kind: str) -> str:
     if kind not in INDEX_CONFIGS:
-        raise UserError(f"backend must be one of {BACKEND_KINDS} (got {kind!r})")
+        raise UserError(f"backend must be one of {tuple(INDEX_CONFIGS)} (got {kind!r})")
     return kind
 
 

@@ -1,4 +1,5 @@
-"""Which back-end serves which ``kind``: the one place that knows every back-end class.
+"""Which back-end serves which ``kind``: :data:`~hil.retrieval.backends.base.BACKENDS`, where every back-end class
+registers itself when it is defined (this module imports the built-in ones).
 
 ``index.json`` records the kind an index was built with (under ``"backend"``; ``"faiss"`` in indexes written before
 0.2); building, rebuilding and searching all look the class up here instead of branching on the kind.
@@ -8,24 +9,26 @@ from __future__ import annotations
 
 import torch
 
+from typing import Any
+
 from hil.data.errors import UserError
-from hil.retrieval.backends.base import SearchBackend
-from hil.retrieval.backends.centroid import PlaidBackend
+from hil.retrieval.backends.base import BACKENDS, SearchBackend
 from hil.retrieval.backends.configs import SearchConfig
-from hil.retrieval.backends.muvera import MuveraBackend
-from hil.retrieval.backends.token_ann import FlatBackend, IvfFlatBackend, IvfPqBackend
 from hil.retrieval.index import TokenIndex
 
-BACKENDS: dict[str, type[SearchBackend]] = {
-    backend.kind: backend for backend in (FlatBackend, IvfFlatBackend, IvfPqBackend, PlaidBackend, MuveraBackend)}
-BACKEND_KINDS = tuple(BACKENDS)
-FAISS_KINDS = BACKEND_KINDS  # the name before 0.2
+
+def __getattr__(name: str) -> Any:
+    if name == "BACKEND_KINDS":
+        return tuple(BACKENDS)
+    if name == "FAISS_KINDS":  # the name before 0.2
+        return tuple(BACKENDS)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def backend_class(kind: str) -> type[SearchBackend]:
     """The back-end registered as ``kind``; an unknown kind is refused with the known ones listed."""
     if kind not in BACKENDS:
-        raise UserError(f"backend must be one of {BACKEND_KINDS}, got {kind!r}")
+        raise UserError(f"backend must be one of {tuple(BACKENDS)}, got {kind!r}")
     return BACKENDS[kind]
 
 

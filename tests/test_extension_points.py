@@ -1,0 +1,145 @@
+"""Where each kind of change goes (docs/design.md), shown by making each change outside the package:
+
+- a new loss = one file (a ``Term``) + a config naming it by ``class_path``: it trains, and the export records it;
+- a new index back-end = one file (its ``IndexConfig`` / ``SearchConfig`` beside its ``SearchBackend``, registered
+  by being defined) + a recipe: ``hil evaluate`` builds, records and searches it, with no line of the package
+  changed;
+- a new metric = one entry in one file (``hil/evaluation/metrics.py``'s measure tables), equal to pytrec_eval's.
+
+Broken on purpose, each failing here: back-end classes not registered when defined (``__init_subclass__``), a term
+not called, the metric table entry left out.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+
+import pytest
+import pytrec_eval
+
+NEW_LOSS = '''
+import torch
+from hil.modeling.terms import LossOutput, Term
+
+
+class ScoreHinge(Term):
+    """max(0, margin - s(q, d+) + s(q, d-)) over every negative, summed over heads."""
+
+    def __init__(self, weight: float = 1.0, margin: float = 1.0):
+        super().__init__(weight)
+        self.margin = float(margin)
+
+    def forward(self, encoder, batch):
+        scores = sum(batch.head_scores(encoder).values())  # (B, N)
+        value = torch.relu(self.margin - scores[:, :1] + scores[:, 1:]).mean()
+        return LossOutput(value, {"hinge": value.detach()})
+'''
+
+NEW_BACKEND = '''
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from hil.retrieval.backends.base import Candidates, SearchBackend
+from hil.retrieval.backends.configs import IndexConfig, SearchConfig
+
+
+@dataclass(frozen=True)
+class EveryDocIndexConfig(IndexConfig):
+    kind: ClassVar[str] = "every_doc"
+    note: str = "nothing stored"
+
+
+@dataclass(frozen=True)
+class EveryDocSearchConfig(SearchConfig):
+    kind: ClassVar[str] = "every_doc"
+    limit: int | None = None  # at most this many documents (the first by row), None: all
+
+
+class EveryDocBackend(SearchBackend):
+    """Proposes every document (or the first ``limit``) to every head: exact search by another road."""
+
+    kind = "every_doc"
+    index_config = EveryDocIndexConfig
+    search_config = EveryDocSearchConfig
+    stores_files = False
+
+    @classmethod
+    def resolve_params(cls, config, n_tokens, dim) -> dict[str, Any]:
+        return {"note": cls.check_config(config).note}
+
+    @classmethod
+    def factory(cls, params) -> str:
+        return "EveryDoc"
+
+    def candidates(self, queries, heads):
+        n = self.index.n_docs if self.search.limit is None else min(self.search.limit, self.index.n_docs)
+        docs = np.arange(n, dtype=np.int64)
+        return [Candidates(docs, np.ones((n, len(heads)), dtype=bool)) for _ in range(len(queries))]
+'''
+
+
+@pytest.fixture
+def outside(tmp_path, monkeypatch):
+    """A folder outside the package on ``sys.path``, with the new modules written into it."""
+    folder = tmp_path / "outside"
+    folder.mkdir()
+    (folder / "my_loss.py").write_text(textwrap.dedent(NEW_LOSS))
+    (folder / "my_backend.py").write_text(textwrap.dedent(NEW_BACKEND))
+    monkeypatch.syspath_prepend(str(folder))
+    yield folder
+    for name in ("my_loss", "my_backend"):
+        sys.modules.pop(name, None)
+
+
+@pytest.mark.integration
+def test_a_new_loss_is_one_file_and_a_config(outside, tmp_path, shared_dir):
+    from hil.cli import train_main
+
+    delta = outside / "hinge.yaml"
+    delta.write_text("model:\n  loss:\n    class_path: my_loss.ScoreHinge\n    init_args: {margin: 0.5}\n")
+    cli = train_main(["fit", "--config", "colbert", "--config", str(delta), "--config", "presets/smoke",
+                      "--trainer.default_root_dir", str(tmp_path / "run"), "--trainer.logger", "false",
+                      "--trainer.max_steps", "2", "--trainer.enable_checkpointing", "false",
+                      "--trainer.callbacks", "[]", "--export_dir", str(tmp_path / "export")])
+    assert type(cli.model.loss).__module__ == "my_loss" and cli.model.loss.margin == 0.5
+    assert cli.trainer.global_step == 2
+    recorded = json.loads((tmp_path / "export" / "hil_config.json").read_text())["training"]["loss"]
+    assert recorded["class"] == "my_loss.ScoreHinge"
+
+
+@pytest.mark.integration
+def test_a_new_backend_is_one_file_and_a_recipe(outside, tmp_path, tiny_model_dir):
+    from hil.console import main as hil_main
+
+    recipe = outside / "every_doc.yaml"
+    recipe.write_text("settings:\n  backend: {class_path: my_backend.EveryDocIndexConfig}\n"
+                      "  search: {class_path: my_backend.EveryDocSearchConfig, init_args: {limit: null}}\n")
+    common = ["--model", f"tiny={tiny_model_dir}", "--datasets", json.dumps([{"name": "scifact", "max_queries": 5,
+                                                                               "max_docs": 60}]),
+              "--settings.index_root", str(tmp_path / "indexes"), "--settings.progress", "false",
+              "--settings.k", "10", "--statistics.enabled", "false", "--quiet", "true", "--folders", "flat"]
+    assert hil_main(["evaluate", "--config", str(recipe), *common, "--output", str(tmp_path / "new")]) == 0
+    assert hil_main(["evaluate", *common, "--settings.mode", "exhaustive", "--settings.index_root", "null",
+                     "--output", str(tmp_path / "exact")]) == 0
+    new = json.loads((tmp_path / "new" / "metrics.json").read_text())
+    exact = json.loads((tmp_path / "exact" / "metrics.json").read_text())
+    assert new["results"]["tiny"]["metrics"] == pytest.approx(exact["results"]["tiny"]["metrics"])
+    assert new["results"]["tiny"]["search_stats"]["search"] == {"backend": "every_doc", "limit": None}
+    assert new["settings"]["evaluation"]["backend"]["class_path"] == "my_backend.EveryDocIndexConfig"
+    (index_json,) = (tmp_path / "indexes").rglob("index.json")
+    assert json.loads(index_json.read_text())["backend"]["kind"] == "every_doc"
+
+
+def test_a_new_metric_is_one_entry_in_one_file(monkeypatch):
+    import hil.evaluation.metrics as metrics
+
+    monkeypatch.setitem(metrics._FULL_MEASURES, "bpref", "bpref")  # the whole change
+    qrels = {"q1": {"a": 1, "b": 0, "c": 2}, "q2": {"b": 1}}
+    run = {"q1": {"a": 0.2, "b": 0.9, "c": 0.5}, "q2": {"a": 3.0, "b": 2.0}}
+    aggregate, per_query = metrics.evaluate_run(qrels, run, ["bpref"])
+    direct = pytrec_eval.RelevanceEvaluator(qrels, {"bpref"}).evaluate(run)
+    assert {q: v["bpref"] for q, v in per_query.items()} == pytest.approx({q: direct[q]["bpref"] for q in qrels})
