@@ -85,7 +85,7 @@ def _entry(method, seed, cos_heads, recalls):
 def test_seed_summary_against_hand_computed_spread():
     from statistics import mean, stdev
 
-    from hil.experiments.engines import engine_lines, seed_summary
+    from hil.experiments.engines import seed_summary, summary_lines
 
     models = {"A (seed 1)": _entry("A", 1, {"L": 0.1, "H": 0.3}, {"MUVERA": 0.5, "PLAID": 0.8}),
               "A (seed 2)": _entry("A", 2, {"L": 0.2, "H": 0.1}, {"MUVERA": 0.6, "PLAID": 0.9}),
@@ -102,6 +102,13 @@ def test_seed_summary_against_hand_computed_spread():
     assert (muvera["mean"], muvera["sd"], muvera["min"], muvera["max"]) == pytest.approx(
         (0.5, stdev([0.5, 0.6, 0.4]), 0.4, 0.6))
     assert summary["A"]["engines"]["PLAID"]["mean"] == pytest.approx(0.8)
+    # the one-table rendering: methods over their seeds, single models as they are
+    record.update(n_queries=3, n_docs=9)
+    record["settings"]["dataset"] = "toy"
+    lines = summary_lines(record, "fig.png", "engines.md")
+    assert "| A | 3 | 0.3000 +- 0.1000 | 0.5000 +- 0.1000 | 0.8000 +- 0.1000 |" in lines
+    assert "| B | 1 | 0.5000 | 0.1000 | 0.1000 |" in lines and "| C | 1 | 0.5000 | 0.1000 | 0.1000 |" in lines
+    assert lines[-1] == "![isotropy against MUVERA recall](fig.png)"
 
 
 @pytest.mark.integration

@@ -273,19 +273,22 @@ def engine_lines(record: Mapping[str, Any], figure: str) -> list[str]:
     return lines + ["", f"![isotropy against MUVERA recall]({figure})"]
 
 
-def seed_summary(record: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+def seed_summary(record: Mapping[str, Any], singles: bool = False) -> dict[str, dict[str, Any]]:
     """Per method with two or more seeded models: the spread over seeds of the raw tokens' average cosine (the most
-    anisotropic head) and of each engine's mean candidate recall (:func:`hil.evaluation.seeds.seed_spread`)."""
+    anisotropic head) and of each engine's mean candidate recall (:func:`hil.evaluation.seeds.seed_spread`).
+    ``singles``: every other model too, as a group of one (its own name), in the record's order."""
     from hil.evaluation.seeds import seed_spread
 
     depth = record["settings"]["depth"]
     by_method: dict[str, list[Mapping[str, Any]]] = {}
-    for entry in record["models"].values():
+    for name, entry in record["models"].items():
         if entry.get("seed") is not None:
             by_method.setdefault(entry.get("method"), []).append(entry)
+        elif singles:
+            by_method[name] = [{**entry, "seed": 0}]
     summary = {}
     for method, entries in by_method.items():
-        if len(entries) < 2:
+        if len(entries) < 2 and not singles:
             continue
         engines = [e for e in entries[0]["engines"] if all(e in other["engines"] for other in entries)]
         summary[method] = {
@@ -295,6 +298,25 @@ def seed_summary(record: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
             "engines": {name: seed_spread({e["seed"]: e["engines"][name][f"recall@{depth}_vs_exact"]["mean"]
                                            for e in entries}) for name in engines}}
     return summary
+
+
+def summary_lines(record: Mapping[str, Any], figure: str, details: str) -> list[str]:
+    """The study in one table: per method (mean +- sd over its seeds) or single model, the raw tokens' average
+    cosine and each engine's candidate recall; then the figure and where the per-model tables are (``details``)."""
+    depth, summary = record["settings"]["depth"], seed_summary(record, singles=True)
+    engines = list(next(iter(summary.values()))["engines"])
+
+    def cell(spread: Mapping[str, Any]) -> str:
+        return fmt(spread["mean"]) + (f" +- {fmt(spread['sd'])}" if spread["sd"] is not None else "")
+
+    rows = [[method, str(entry["n_seeds"]), cell(entry["avg_cos"]), *(cell(entry["engines"][e]) for e in engines)]
+            for method, entry in summary.items()]
+    return [f"Candidate recall@{depth} against exact MaxSim's top {depth} on {record['settings']['dataset']} "
+            f"({record['n_queries']} queries, {record['n_docs']} documents): mean +- sample sd over a method's "
+            "trainings; avg cos: the raw document tokens of the most anisotropic head.", "",
+            *markdown_table(["Model", "trainings", "avg cos", *engines], rows), "",
+            f"Per model and head, with nDCG@10 and intervals: [{details}]({details}).", "",
+            f"![isotropy against MUVERA recall]({figure})"]
 
 
 def _spread(spread: Mapping[str, Any]) -> str:

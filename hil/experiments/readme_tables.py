@@ -196,14 +196,14 @@ def render_seeds_cpu(root: Path, document: str = README) -> list[str]:
 def render_engines(root: Path, document: str = README) -> list[str]:
     """The isotropy x engine study (issue 30): ``hil engines``'s ``engines.json``, rendered by its own renderer (the
     figure linked relative to ``document``)."""
-    from hil.experiments.engines import engine_lines
+    from hil.experiments.engines import summary_lines
 
     record = read_json(root, ENGINES_TABLE)
     if record is None:
         raise UserError(f"{root / ENGINES_TABLE}: not found (docs/results.md, 'Isotropy and engines': hil engines --out "
                         f"{Path(ENGINES_TABLE).parent} writes it)")
-    figure = os.path.relpath(Path(ENGINES_TABLE).parent / "engines_isotropy.png", Path(document).parent)
-    return engine_lines(record, Path(figure).as_posix())[2:]
+    folder = Path(os.path.relpath(Path(ENGINES_TABLE).parent, Path(document).parent))
+    return summary_lines(record, (folder / "engines_isotropy.png").as_posix(), (folder / "engines.md").as_posix())
 
 
 TABLES: dict[str, Callable[[Path, str], list[str]]] = {
