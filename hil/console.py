@@ -24,15 +24,16 @@ import shutil
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable, NoReturn
+from typing import TYPE_CHECKING, Callable, NoReturn
 
 from jsonargparse import ActionConfigFile, ArgumentParser
 
 from hil.data.errors import DEBUG_ENV, UserError, check_output_path, exit_status, one_line
-from hil.evaluation.experiment import DatasetSpec, Experiment, ModelSpec
-from hil.evaluation.evaluate import EvaluationSettings, document_store, place_encoder
-from hil.evaluation.results import format_statistics, format_table
 from hil.paths import resolve_config
+
+if TYPE_CHECKING:  # the subcommands import what they run (``hil --help`` imports no torch)
+    from hil.evaluation.evaluate import EvaluationSettings
+    from hil.evaluation.experiment import DatasetSpec, Experiment, ModelSpec
 
 PROG = "hil"
 DELEGATED = {  # subcommand -> (module, function taking argv): commands with parsers of their own
@@ -54,6 +55,8 @@ class OneLineParser(ArgumentParser):
 
 def experiment_parser(prog: str) -> ArgumentParser:
     """An :class:`Experiment` from YAML and options, with ``--model`` / ``--dataset`` shortcuts."""
+    from hil.evaluation.experiment import Experiment
+
     parser = OneLineParser(prog=prog, description=__doc__.split("\n\n")[0], exit_on_error=False)
     parser.add_argument("--config", action=ActionConfigFile, help="a YAML file or a recipe name (eval/plaid)")
     parser.add_argument("--model", type=str, default=[], action="append",
@@ -95,11 +98,14 @@ def parse_experiment(argv: list[str], prog: str, *, run_file: bool = False) -> E
     if run_file:
         check_output_path(fields["output"], "--output", folder=False)
         fields["output"] = f"{fields['output']}.parts"
+    from hil.evaluation.experiment import Experiment
+
     return Experiment(**{**fields, "command": {"argv": argv}})
 
 
 def evaluate_command(argv: list[str]) -> int:
     """Run the experiment (``--print_config``: print it as YAML, jsonargparse's own, and stop)."""
+    from hil.evaluation.results import format_statistics, format_table
     from hil.evaluation.runner import run_experiment
 
     experiment = parse_experiment(argv, f"{PROG} evaluate")
@@ -123,6 +129,7 @@ def single(experiment: Experiment, what: str) -> tuple[ModelSpec, DatasetSpec, E
 def index_command(argv: list[str]) -> int:
     """Build the index of one model over one dataset's corpus (or check and reuse it); print where it is."""
     from hil.data.beir import load_beir
+    from hil.evaluation.evaluate import document_store, place_encoder
     from hil.evaluation.runner import load_model
 
     experiment = parse_experiment(argv, f"{PROG} index")

@@ -213,3 +213,17 @@ def test_every_hil_command_of_the_readme_parses(tiny):
     assert [d.name for d in experiment.datasets] == ["scifact", "msmarco/dl19"]
     assert experiment.settings.backend.residual_bits == 2 and experiment.settings.search.nprobe is None
     assert experiment.settings.resolved_search.given() == {"nprobe": 4, "ndocs": 1024, "stage2_docs": 4096}  # k 1000
+
+
+def test_hil_help_imports_no_torch():
+    """``hil --help`` answers without importing torch, transformers or Lightning (seconds of imports for a usage
+    line): each subcommand imports what it runs."""
+    import subprocess
+    import sys
+
+    probe = ("import sys\nfrom hil.console import main\nassert main(['--help']) == 0\n"
+             "heavy = sorted(m for m in ('torch', 'transformers', 'pytorch_lightning') if m in sys.modules)\n"
+             "print('heavy:', heavy)\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "heavy: []" in done.stdout and "usage: hil" in done.stdout
