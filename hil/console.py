@@ -46,11 +46,39 @@ TRAINING = ("fit", "validate", "test", "predict")
 class OneLineParser(ArgumentParser):
     """jsonargparse whose errors are one line naming the option, not a usage screen."""
 
+    refused: str | None = None  # the last refusal, for a caller that says where it came from
+
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
         if os.environ.get(DEBUG_ENV):
             super().error(message, ex)
-        sys.stderr.write(f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
+        self.refused = f"{one_line(message)} (see {self.prog} --help)"
+        if self.config_files_given:
+            self.exit(2)  # the caller names the file and line (parse_experiment)
+        sys.stderr.write(f"{self.prog}: error: {self.refused}\n")
         self.exit(2)
+
+    config_files_given = False
+
+
+def located(message: str, argv: list[str]) -> str:
+    """``message`` prefixed with the ``--config`` file and line that hold the key it names (``Option 'x'``,
+    ``Parser key "a.x"``), when one does; else as it is."""
+    import re
+
+    named = re.search(r"[Oo]ption '([^']+)'", message) or re.search(r'[Kk]ey "([^"]+)"', message)
+    files = [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == "--config"]
+    if named is None or not files:
+        return message
+    key = named.group(1).split(".")[-1]
+    for file in reversed(files):  # later files win: the last one naming the key is the one read
+        try:
+            lines = Path(file).read_text(encoding="utf-8").splitlines()
+        except OSError:
+            continue
+        for number, line in enumerate(lines, 1):
+            if re.match(rf"\s*(- )?{re.escape(key)}\s*:", line) or re.search(rf"[{{,]\s*{re.escape(key)}\s*:", line):
+                return f"{file}:{number}: {message}"
+    return message
 
 
 def experiment_parser(prog: str) -> ArgumentParser:
@@ -77,7 +105,13 @@ def parse_experiment(argv: list[str], prog: str, *, run_file: bool = False) -> E
     printing = "--print_config" in argv
     argv = [arg for arg in argv if arg != "--print_config"]
     parser = experiment_parser(prog)
-    config = parser.parse_args(argv)
+    parser.config_files_given = "--config" in argv
+    try:
+        config = parser.parse_args(argv)
+    except SystemExit as stop:
+        if stop.code and parser.config_files_given and parser.refused:
+            raise UserError(located(parser.refused, argv)) from None
+        raise
     for value in config.pop("model") or []:
         named = "=" in value and not os.path.exists(value)
         name, _, source = value.partition("=") if named else ("", "", value)

@@ -227,3 +227,17 @@ def test_hil_help_imports_no_torch():
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "heavy: []" in done.stdout and "usage: hil" in done.stdout
+
+
+@pytest.mark.parametrize("text, line, words", [
+    ("datasets:\n  - name: scifact\nmodells:\n  - {source: x}\n", 3, "Option 'modells' is not accepted"),
+    ("datasets:\n  - name: scifact\nsettings:\n  mode: full\n  kk: 3\n", 5, "does not accept option 'kk'"),
+    ("datasets:\n  - name: scifact\nsettings: {mode: full, k: zero}\n", 3, 'key "settings.k"'),
+])
+def test_a_yaml_mistake_names_the_file_and_line(tmp_path, capsys, text, line, words):
+    good, bad = tmp_path / "good.yaml", tmp_path / "bad.yaml"
+    good.write_text("output: results/x\nsettings: {k: 10}\n")  # an earlier file with a valid k: not the one named
+    bad.write_text(text)
+    assert hil_main(["evaluate", "--config", str(good), "--config", str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"error: {bad}:{line}: " in err[0] and words in err[0], err
