@@ -24,7 +24,7 @@ import shutil
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, NoReturn
+from typing import TYPE_CHECKING, Any, Callable, NoReturn, Optional
 
 from jsonargparse import ActionConfigFile, ArgumentParser
 
@@ -91,9 +91,23 @@ def experiment_parser(prog: str) -> ArgumentParser:
                         help="add a model (a path, a hub id, NAME=PATH); repeatable")
     parser.add_argument("--dataset", type=str, default=[], action="append",
                         help="add a dataset (a BEIR name or folder, irds:<id>); repeatable")
+    for option, what in (("docs", "documents (judged ones kept)"), ("queries", "queries")):
+        parser.add_argument(f"--max-{option}", f"--max_{option}", dest=f"max_{option}", type=Optional[int],
+                            default=None, help=f"a seeded slice of every dataset's {what} (a dataset's own "
+                                               f"max_{option} wins)")
     parser.add_class_arguments(Experiment, nested_key=None, fail_untyped=False,
                                default={"datasets": [], "models": [], "output": "results/hil-evaluate"})
     return parser
+
+
+SLICE_SHORTCUTS = ("max_docs", "max_queries")
+
+
+def with_slices(dataset: Any, slices: dict[str, int | None]) -> dict[str, Any]:
+    """A dataset entry (a dict or a parsed namespace) with the ``--max-docs`` / ``--max-queries`` it does not set."""
+    entry = dataset.as_dict() if hasattr(dataset, "as_dict") else dict(dataset)
+    return {**entry, **{key: value for key, value in slices.items()
+                        if value is not None and entry.get(key) is None}}
 
 
 def parse_experiment(argv: list[str], prog: str, *, run_file: bool = False) -> Experiment:
@@ -117,16 +131,19 @@ def parse_experiment(argv: list[str], prog: str, *, run_file: bool = False) -> E
         name, _, source = value.partition("=") if named else ("", "", value)
         config.models = [*config.models, {"source": source, **({"name": name} if name else {})}]
     config.datasets = [*config.datasets, *({"name": name} for name in config.pop("dataset") or [])]
+    slices = {key: config.pop(key) for key in SLICE_SHORTCUTS}
+    if any(value is not None for value in slices.values()):
+        config.datasets = [with_slices(dataset, slices) for dataset in config.datasets]
     config.pop("config", None)
     config = parser.parse_object({key: value for key, value in config.as_dict().items()})  # typed again
     if printing:
         dumped = config.clone()
-        for shortcut in ("config", "model", "dataset"):  # folded into models / datasets above
+        for shortcut in ("config", "model", "dataset", *SLICE_SHORTCUTS):  # folded into models / datasets above
             dumped.pop(shortcut, None)
         print(parser.dump(dumped, skip_validation=True))
         raise SystemExit(0)
     fields = {key: value for key, value in vars(parser.instantiate(config)).items()
-              if key not in ("config", "model", "dataset") and not key.startswith("__")}
+              if key not in ("config", "model", "dataset", *SLICE_SHORTCUTS) and not key.startswith("__")}
     if not fields["datasets"]:
         raise UserError("no dataset: give --dataset NAME or datasets in a --config file")
     if run_file:

@@ -241,3 +241,16 @@ def test_a_yaml_mistake_names_the_file_and_line(tmp_path, capsys, text, line, wo
     assert hil_main(["evaluate", "--config", str(good), "--config", str(bad)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"error: {bad}:{line}: " in err[0] and words in err[0], err
+
+
+def test_max_docs_and_max_queries_slice_every_dataset_unless_it_sets_its_own(tmp_path):
+    """``--max-docs`` / ``--max-queries`` (as ``evaluate.py`` and ``hil beir`` spell them) slice every dataset; a
+    dataset's own ``max_docs`` in the YAML wins."""
+    config = tmp_path / "e.yaml"
+    config.write_text("datasets:\n  - {name: scifact, max_docs: 50}\n  - name: nfcorpus\n")
+    experiment = parse_experiment(["--config", str(config), "--dataset", "arguana", "--max-docs", "300",
+                                   "--max-queries", "20", "--model", "m"], "hil evaluate")
+    assert [(d.name, d.max_docs, d.max_queries) for d in experiment.datasets] == [
+        ("scifact", 50, 20), ("nfcorpus", 300, 20), ("arguana", 300, 20)]
+    plain = parse_experiment(["--dataset", "scifact", "--model", "m"], "hil evaluate")
+    assert (plain.datasets[0].max_docs, plain.datasets[0].max_queries) == (None, None)
