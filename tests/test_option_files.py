@@ -98,12 +98,14 @@ def test_the_analysis_report_searches_plaid_from_an_option_file(tiny_model_dir, 
 
 
 def test_the_readme_option_file_commands_resolve(tmp_path, capsys):
-    """The README's `hil <command> ... --print_config > FILE` lines write files that `--config FILE` reads back."""
+    """The README's (and docs/guide.md's) `hil <command> ... --print_config > FILE` lines write files that
+    `--config FILE` reads back."""
     import re
     import shlex
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    root = Path(__file__).resolve().parents[1]
+    readme = "\n".join((root / name).read_text(encoding="utf-8") for name in ("README.md", "docs/guide.md"))
     lines = [line for block in re.findall(r"```bash\n(.*?)```", readme, flags=re.S) for line in block.splitlines()
              if line.startswith("hil ") and "--print_config >" in line]
     assert len(lines) >= 2
@@ -114,3 +116,14 @@ def test_the_readme_option_file_commands_resolve(tmp_path, capsys):
         path = tmp_path / target.strip()
         path.write_text(yaml.safe_dump(resolved))
         assert printed([argv[0], "--config", str(path)], capsys) == resolved, line
+
+
+def test_output_is_the_folder_option_of_every_experiment_command():
+    """``--output`` (``hil evaluate``'s name) is accepted by ``hil beir``, ``paper`` and ``engines`` beside their
+    ``--out``, on the command line and as an option-file key."""
+    from hil.experiments import beir, engines, paper
+
+    for module in (beir, paper, engines):
+        parser = module.build_parser()
+        extra = {engines: ["--models", "a=b", "--dataset", "scifact"], beir: ["--model", "m"], paper: []}[module]
+        assert parser.parse_args([*extra, "--output", "x"]).out == parser.parse_args([*extra, "--out", "x"]).out == "x"

@@ -54,9 +54,11 @@ def option_tokens(path: str | Path, parser: argparse.ArgumentParser) -> list[str
         raise UserError(f"{CONFIG_OPTION} {path}: a mapping of option names to values expected, got "
                         f"{type(values).__name__}")
     actions = _actions(parser)
+    by_name = {option[2:].replace("-", "_"): action for action in actions.values()
+               for option in action.option_strings if option.startswith("--")}  # every long name of an option
     tokens: list[str] = []
     for key, value in values.items():
-        action = actions.get(str(key).replace("-", "_"))
+        action = actions.get(str(key).replace("-", "_")) or by_name.get(str(key).replace("-", "_"))
         if action is None:
             raise UserError(f"{CONFIG_OPTION} {path}: unknown key {key!r} (options: "
                             f"{', '.join(sorted(_long_option(a)[2:] for a in actions.values()))})")

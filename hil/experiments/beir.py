@@ -71,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--datasets", default="all", help="'all' (every one found locally) or a comma-separated list of: "
         f"{', '.join(BY_KEY)}")
     add("--data-dir", default=None, help="overrides HIL_DATA_DIR")
-    add("--out", default="results/beir", help="output folder (results per dataset, table.md, table.json)")
+    add("--output", "--out", dest="out", default="results/beir",
+        help="output folder (results per dataset, table.md, table.json)")
     add("--mode", choices=MODES, default="full", help="full ranking through the index (001's setting), exhaustive "
         "exact scoring of every document, or re-ranking BM25's top --rerank-depth; a dataset that ships a "
         "first-stage run is always re-ranked")
@@ -163,8 +164,8 @@ def dataset_specs(selection: Selection, args: argparse.Namespace) -> list[Datase
         folder, first = selection.local.get(part), beir_set.first_stage
         if first is not None and folder is None:
             raise UserError(f"--datasets {beir_set.key}: {part}: not found under {data_root(args.data_dir)} (it is "
-                            f"read locally, with its first-stage run {first.run_file}; docs/guide.md, 'TREC DL 2019 and "
-                            "2020': where the official files come from)")
+                            f"read locally, with its first-stage run {first.run_file}; docs/guide.md, "
+                            "'TREC DL 2019 and 2020': where the official files come from)")
         specs.append(DatasetSpec(str(folder) if folder is not None else part, split=beir_set.split,
                                  first_stage_run=str(folder / first.run_file) if first is not None else None,
                                  first_stage_name=BM25, always_rerank=True, rerank_depth=args.rerank_depth,

@@ -333,7 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dataset", required=True, help="a BEIR name or folder")
     parser.add_argument("--max-queries", type=int, default=None, help="a seeded slice of the queries")
     parser.add_argument("--max-docs", type=int, default=None, help="a seeded slice of the corpus (judged kept)")
-    parser.add_argument("--out", required=True, help="output folder (engines.json, engines.md, the figure)")
+    parser.add_argument("--output", "--out", dest="out", required=True,
+                        help="output folder (engines.json, engines.md, the figure)")
     parser.add_argument("--index-root", default="indexes", help="where the models' indexes are built or reused")
     parser.add_argument("--depth", type=int, default=100, help="documents ranked; recall is measured at it")
     parser.add_argument("--max-tokens", type=int, default=20_000, help="document tokens sampled for isotropy")

@@ -209,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m hil.experiments.paper", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--profile", choices=sorted(PROFILES), default="cpu")
-    parser.add_argument("--out", default=None, help="output folder (default results/<profile>)")
+    parser.add_argument("--output", "--out", dest="out", default=None, help="output folder (default results/<profile>)")
     parser.add_argument("--variants", default=None, help=f"comma-separated subset of {','.join(VARIANTS)}")
     parser.add_argument("--datasets", default=None, help=f"comma-separated subset of {','.join(DATASETS)}")
     parser.add_argument("--max-steps", type=int, default=None, help="override the profile's training steps")

@@ -3,7 +3,8 @@
     python -m hil.experiments.readme_tables            # check: exit 1 naming each table that differs from its files
     python -m hil.experiments.readme_tables --write    # rewrite those tables (README.md, docs/results.md)
 
-Each table stands in ``README.md`` or ``docs/results.md`` between ``<!-- table: <name> ... -->`` and ``<!-- /table -->``; what is between
+Each table stands in ``README.md`` or ``docs/results.md`` between ``<!-- table: <name> ... -->`` and
+``<!-- /table -->``; what is between
 the markers is this module's rendering of the results files that :data:`TABLES` names, and nothing else, so a figure
 changes only with the file (and the command) it comes from. ``tests/test_readme_tables.py`` checks that the README
 equals the rendering of the committed files.
@@ -171,8 +172,8 @@ def render_distill_cpu(root: Path, document: str = README) -> list[str]:
 
     table = read_json(root, DISTILL_TABLE)
     if table is None:
-        raise UserError(f"{root / DISTILL_TABLE}: not found (the hil beir command in docs/results.md, 'Distillation and "
-                        "n-way training', writes it: --out docs/distill-cpu)")
+        raise UserError(f"{root / DISTILL_TABLE}: not found (the hil beir command in docs/results.md, "
+                        "'Distillation at CPU scale', writes it: --out docs/distill-cpu)")
     stats = _field(table, DISTILL_TABLE, "statistics")
     legend = (f"Baseline: {table['baseline']}. " + adjustment_legend(stats.get("p_adjust", "none"),
                                                                        stats.get("family", FAMILY),
@@ -187,7 +188,8 @@ def render_seeds_cpu(root: Path, document: str = README) -> list[str]:
 
     record = read_json(root, SEEDS_TABLE)
     if record is None:
-        raise UserError(f"{root / SEEDS_TABLE}: not found (docs/results.md, 'Over training seeds': hil paper --seeds ... --publish "
+        raise UserError(f"{root / SEEDS_TABLE}: not found (docs/results.md, 'Over training seeds': hil paper "
+                        "--seeds ... --publish "
                         "docs/seeds-cpu writes it)")
     tables, seeds = _field(record, SEEDS_TABLE, "tables"), _field(record, SEEDS_TABLE, "settings", "seeds")
     return [*statement_lines(tables), "", *seed_lines(tables, seeds, metrics=("ndcg@10",))]
@@ -200,7 +202,8 @@ def render_engines(root: Path, document: str = README) -> list[str]:
 
     record = read_json(root, ENGINES_TABLE)
     if record is None:
-        raise UserError(f"{root / ENGINES_TABLE}: not found (docs/results.md, 'Isotropy and engines': hil engines --out "
+        raise UserError(f"{root / ENGINES_TABLE}: not found (docs/results.md, 'Isotropy and engines': hil "
+                        "engines --out "
                         f"{Path(ENGINES_TABLE).parent} writes it)")
     folder = Path(os.path.relpath(Path(ENGINES_TABLE).parent, Path(document).parent))
     return summary_lines(record, (folder / "engines_isotropy.png").as_posix(), (folder / "engines.md").as_posix())

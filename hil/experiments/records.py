@@ -53,8 +53,8 @@ def require_local(key: str) -> None:
     first_stage = FIRST_STAGES.get(key)
     if first_stage is not None and resolve_dataset(where) is None:
         raise MissingInputError(f"{where}: not found under ${DATA_DIR_ENV} (a re-ranking set, read locally with its "
-                                f"first-stage run {first_stage.run_file}; docs/guide.md, 'TREC DL 2019 and 2020': where "
-                                "its official files come from)")
+                                f"first-stage run {first_stage.run_file}; docs/guide.md, 'TREC DL 2019 and 2020': "
+                                "where its official files come from)")
 
 
 def load_dataset(key: str, profile: Profile) -> tuple[BeirDataset, Evaluation | None]:
