@@ -26,7 +26,6 @@ def write_nway_examples(folder: Path, n_queries: int = 8, nway: int = 4, scored:
     (folder / "examples.jsonl").write_text("\n".join(lines) + "\n")
     (folder / "queries.tsv").write_text("".join(f"q{q}\t{t.query}\n" for q, t in enumerate(triples[:n_queries])))
     (folder / "collection.tsv").write_text("".join(f"{pid[text]}\t{text}\n" for text in passages))
-    return ["--data.triples", "null", "--data.teacher_output", "null",
-            "--data.nway_examples", str(folder / "examples.jsonl"), "--data.queries", str(folder / "queries.tsv"),
-            "--data.collection", str(folder / "collection.tsv"), "--data.nway", str(nway),
-            "--data.cache_dir", str(folder / "cache")]
+    return ["--data.triples", "null", "--data.nway_examples", str(folder / "examples.jsonl"),
+            "--data.queries", str(folder / "queries.tsv"), "--data.collection", str(folder / "collection.tsv"),
+            "--data.nway", str(nway), "--data.cache_dir", str(folder / "cache")]

@@ -12,7 +12,7 @@ equals the rendering of the committed files.
 - ``paper-cpu-fidelity``: ``docs/paper-cpu-fidelity/summary.json``, written by ``python -m hil.experiments.paper``
   (``--publish docs/paper-cpu-fidelity``; ``--report-only`` recomputes it from the ``eval/`` records beside it).
 - ``distill-cpu``: ``docs/distill-cpu/table.json``, written by ``hil beir`` over the distilled models (docs/results.md,
-  "Distillation and n-way training").
+  "Distillation at CPU scale").
 - ``measured-here``: the ``metrics.json`` of ``make demo`` and of the commands :data:`MEASURED_HERE` lists beside
   each row. A row whose file is not there is rendered as ``-`` and named under the table with its command, instead
   of a figure nobody can regenerate.
