@@ -61,7 +61,10 @@ def test_every_subcommand_answers_help(command, capsys):
     with pytest.raises(SystemExit) as exit_:
         raise SystemExit(hil_main([command, "--help"]))
     assert exit_.value.code in (0, None)
-    assert "usage" in capsys.readouterr().out.lower()
+    out = capsys.readouterr().out
+    assert "usage" in out.lower()
+    if command != "fit":  # each says the name it was called by
+        assert f"usage: hil {command}" in " ".join(out.split()), out[:200]
 
 
 @pytest.mark.parametrize("argv, words", [

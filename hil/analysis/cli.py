@@ -26,7 +26,7 @@ from hil.retrieval.backends.configs import BACKEND_KINDS
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m hil.analysis", description=__doc__,
+    parser = argparse.ArgumentParser(prog="hil analyze", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="export directory, .ckpt, backbone name, or \"iso+aniso\"")
     parser.add_argument("--compare-model", default=None,

@@ -55,7 +55,7 @@ from hil.provenance import provenance, write_json_atomic, write_text_atomic
 from hil.retrieval.backends.configs import BACKEND_KINDS, configs_from_params
 from hil.retrieval.devices import PRECISIONS, check_precision, resolve_device
 
-PROG = "python -m hil.experiments.beir"
+PROG = "hil beir"  # also python -m hil.experiments.beir
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 
 

@@ -206,7 +206,7 @@ def write_outputs(out: Path, profile: Profile, *, command: str = "", elapsed_s: 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m hil.experiments.paper", description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="hil paper", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--profile", choices=sorted(PROFILES), default="cpu")
     parser.add_argument("--output", "--out", dest="out", default=None, help="output folder (default results/<profile>)")

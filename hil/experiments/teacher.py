@@ -64,7 +64,7 @@ from hil.retrieval.progress import progress_bar
 from hil.retrieval.search import exact_rank
 from hil.retrieval.full_ranking import full_rank
 
-PROG = "python -m hil.experiments.teacher"
+PROG = "hil teacher"  # also python -m hil.experiments.teacher
 FORMATS = ("colbert", "pylate", "trec")
 POSITIVE_OPTIONS = ("depth", "batch_size", "max_queries", "max_length", "relevance_level")
 # Queries scored per call of the teacher: the progress bar's step. Scores equal one call's to float rounding (a

@@ -15,7 +15,7 @@ from hil.modeling.hub import push_to_hub, write_model_card
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hil.modeling.share", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="hil share", description=__doc__.splitlines()[0])
     parser.add_argument("export", help="an export folder (train.py --export_dir, hil.export_model)")
     parser.add_argument("repo_id", help="the hub repository, user-or-org/name")
     parser.add_argument("--metrics", nargs="*", default=[], help="metrics.json files whose figures go into the card")
