@@ -44,6 +44,15 @@ def imported_modules(name: str, path: Path) -> set[str]:
                 target = target.rpartition(".")[0]
             if target and target != name:
                 found.add(target)
+    # Importing ``a.b.c`` first runs the packages ``a`` and ``a.b`` (their __init__): edges too, except to the
+    # importer's own packages (already running when it is imported).
+    own = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}
+    for target in list(found):
+        parts = target.split(".")
+        for i in range(1, len(parts)):
+            package_name = ".".join(parts[:i])
+            if package_name in MODULES and package_name not in own and package_name != name:
+                found.add(package_name)
     return found
 
 

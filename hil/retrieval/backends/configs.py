@@ -272,10 +272,14 @@ class MuveraSearchConfig(SearchConfig):
         return self if self.n_candidates is not None else MuveraSearchConfig(max(k, MUVERA_MIN_CANDIDATES))
 
 
-# kind -> its build-time and search-time settings: filled as each back-end class is defined
-# (:meth:`hil.retrieval.backends.base.SearchBackend.__init_subclass__`); the package imports the built-in ones.
-INDEX_CONFIGS: dict[str, type[IndexConfig]] = {}
-SEARCH_CONFIGS: dict[str, type[SearchConfig]] = {}
+# kind -> its build-time and search-time settings: the built-in kinds (their settings are this module's), and every
+# other back-end class as it is defined (:meth:`hil.retrieval.backends.base.SearchBackend.__init_subclass__`).
+INDEX_CONFIGS: dict[str, type[IndexConfig]] = {
+    "flat": FlatIndexConfig, "ivfflat": IvfFlatIndexConfig, "ivfpq": IvfPqIndexConfig, "plaid": PlaidIndexConfig,
+    "muvera": MuveraIndexConfig}
+SEARCH_CONFIGS: dict[str, type[SearchConfig]] = {
+    "flat": FlatSearchConfig, "ivfflat": IvfSearchConfig, "ivfpq": IvfSearchConfig, "plaid": PlaidSearchConfig,
+    "muvera": MuveraSearchConfig}
 
 
 def register_kind(kind: str, index: type[IndexConfig], search: type[SearchConfig]) -> None:

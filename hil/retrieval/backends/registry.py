@@ -1,5 +1,6 @@
 """Which back-end serves which ``kind``: :data:`~hil.retrieval.backends.base.BACKENDS`, where every back-end class
-registers itself when it is defined (this module imports the built-in ones).
+registers itself when it is defined (this module imports the built-in ones; their settings classes are known to
+:mod:`~hil.retrieval.backends.configs` from the start).
 
 ``index.json`` records the kind an index was built with (under ``"backend"``; ``"faiss"`` in indexes written before
 0.2); building, rebuilding and searching all look the class up here instead of branching on the kind.
@@ -12,6 +13,8 @@ import torch
 from typing import Any
 
 from hil.data.errors import UserError
+from hil.retrieval.backends import token_ann  # noqa: F401,I001  (defining them registers them; flat, ivf* first)
+from hil.retrieval.backends import centroid, muvera  # noqa: F401
 from hil.retrieval.backends.base import BACKENDS, SearchBackend
 from hil.retrieval.backends.configs import SearchConfig
 from hil.retrieval.index import TokenIndex
