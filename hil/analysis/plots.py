@@ -188,3 +188,25 @@ def plot_scatter(points: Sequence[tuple[str, float, float]], path: str | Path, *
     ax.set_title(title)
     ax.grid(alpha=0.3)
     return _save(fig, path)
+
+
+MARKERS = ("o", "s", "^", "D", "v", "P", "X")
+
+
+def plot_groups(points: Sequence[tuple[str, str, float, float]], path: str | Path, *, xlabel: str, ylabel: str,
+                title: str = "") -> Path:
+    """Points (colour group, marker group, x, y): one colour per first group, one marker per second, both in a
+    legend (many points stay readable where a label per point would not)."""
+    colours = {group: f"C{i % 10}" for i, group in enumerate(dict.fromkeys(p[0] for p in points))}
+    markers = {group: MARKERS[i % len(MARKERS)] for i, group in enumerate(dict.fromkeys(p[1] for p in points))}
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for colour, marker, x, y in points:
+        ax.scatter([x], [y], s=34, c=colours[colour], marker=markers[marker], alpha=0.85)
+    handles = [plt.Line2D([], [], color=c, marker="o", linestyle="", label=g) for g, c in colours.items()]
+    handles += [plt.Line2D([], [], color="grey", marker=m, linestyle="", label=g) for g, m in markers.items()]
+    ax.legend(handles=handles, fontsize=7, loc="best", framealpha=0.8)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    return _save(fig, path)

@@ -229,10 +229,13 @@ def muvera_points(record: Mapping[str, Any]) -> list[tuple[str, str, float, floa
 
 
 def plot_isotropy_recall(record: Mapping[str, Any], path: Path) -> Path:
-    from hil.analysis.plots import plot_scatter
+    """MUVERA's recall against the average cosine of the tokens it hashes: a colour per method (a model's seeds
+    share it), a marker per transform."""
+    from hil.analysis.plots import plot_groups
 
+    methods = {name: entry.get("method") or name for name, entry in record["models"].items()}
     points = muvera_points(record)
-    return plot_scatter([(f"{m} ({t})", x, y) for m, t, x, y in points], path,
+    return plot_groups([(methods[m], t, x, y) for m, t, x, y in points], path,
                         xlabel="average cosine of the tokens MUVERA hashes (most anisotropic head)",
                         ylabel=f"MUVERA recall@{record['settings']['depth']} vs exact MaxSim",
                         title=f"Isotropy and MUVERA on {record['settings']['dataset']}")
