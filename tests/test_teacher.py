@@ -394,3 +394,22 @@ def test_teacher_output_refusals_name_the_setting(tmp_path, texts, cross_encoder
     output.with_name("ex.jsonl.meta.json").write_text("{\"settings\": {}}")
     with pytest.raises(UserError, match="not a `hil teacher` record"):
         TriplesDataModule(teacher_output=str(output))
+
+
+@pytest.mark.integration
+def test_hil_fit_trains_from_teacher_output_alone(tmp_path, texts, cross_encoder, shared_dir):
+    """The command line a user runs (LightningCLI hands the data module its arguments as given): a distillation
+    variant with ``--data.teacher_output`` trains, and the data module records what the .meta.json resolved."""
+    from hil.cli import train_main
+
+    output = tmp_path / "ex.jsonl"
+    assert run_teacher(texts, output, "--teacher", str(cross_encoder), "--depth", "5", "--nway", "3") == 0
+    cli = train_main(["fit", "--config", "colbert", "--config", "variants/colbert_distill", "--config",
+                      "presets/smoke", "--data.triples", "null", "--data.teacher_output", str(output),
+                      "--data.batch_size", "2", "--trainer.max_steps", "2", "--trainer.logger", "false",
+                      "--trainer.enable_checkpointing", "false", "--trainer.callbacks", "[]",
+                      "--trainer.default_root_dir", str(tmp_path / "run")])
+    assert cli.trainer.global_step == 2
+    hparams = cli.datamodule.hparams
+    assert (hparams.nway_examples, hparams.queries, hparams.collection, hparams.nway) == (
+        str(output), str(texts["queries"]), str(texts["collection"]), 3)

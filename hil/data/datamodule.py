@@ -362,6 +362,10 @@ class TriplesDataModule(pl.LightningDataModule):
         if idf_max_docs is not None and idf_max_docs < 1:
             raise ValueError(f"data.idf_max_docs must be >= 1 or null (got {idf_max_docs})")
         self.save_hyperparameters()
+        if teacher_output is not None:  # what the .meta.json said, recorded as used (LightningCLI hands
+            # save_hyperparameters the arguments as given, not these resolved values)
+            self.hparams.update(nway_examples=nway_examples, run=run, pylate=pylate, queries=queries,
+                                collection=collection, nway=nway)
         self.source_kind = source
         self.train_dataset: TrainingTriples | None = None
         self.tokenizer: ColBERTTokenizer | None = None  # set by tokenize_with: batches are then tokenized
