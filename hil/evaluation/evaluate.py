@@ -29,7 +29,7 @@ import torch
 from hil.data.beir import BeirDataset
 from hil.data.bm25 import bm25_run
 from hil.data.errors import UserError
-from hil.evaluation.metrics import DEFAULT_METRICS, canonical_metric, evaluate_run
+from hil.evaluation.metrics import DEFAULT_METRICS, canonical_metrics, evaluate_run
 from hil.evaluation.runs import candidates_from_run, read_trec_run, run_depth
 from hil.modeling.contracts import EncodedBatch, Encoder
 from hil.retrieval.backends.configs import (IndexConfig, SearchConfig, check_search, configs_from_params,
@@ -156,12 +156,8 @@ class EvaluationSettings:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise UserError(f"{name} must be >= 1 (got {value})")
-        if isinstance(self.metrics, str) or not self.metrics:
-            raise UserError(f"metrics: a list of metric names expected (got {self.metrics!r})")
-        try:  # checked before any work; one spelling in every result
-            object.__setattr__(self, "metrics", tuple(dict.fromkeys(canonical_metric(m) for m in self.metrics)))
-        except ValueError as err:
-            raise UserError(f"metrics: {err}") from None
+        # checked before any work; one spelling in every result
+        object.__setattr__(self, "metrics", canonical_metrics(self.metrics, "metrics"))
         self._fold_backend_settings()
 
     def for_device(self, device: torch.device) -> "EvaluationSettings":

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 from hil.data.errors import UserError, check_output_path
 from hil.evaluation.evaluate import EvaluationSettings, run_name
-from hil.evaluation.metrics import canonical_metric
+from hil.evaluation.metrics import canonical_metrics
 from hil.evaluation.statistics import P_ADJUST_METHODS
 from hil.modeling.contracts import Encoder
 from hil.modeling.loading import split_ensemble_source
@@ -159,12 +159,7 @@ class StatisticsSettings:
     p_adjust: str = "holm"
 
     def __post_init__(self) -> None:
-        if isinstance(self.metrics, str):
-            raise UserError(f"statistics.metrics: a list of metric names expected (got {self.metrics!r})")
-        try:
-            object.__setattr__(self, "metrics", tuple(dict.fromkeys(canonical_metric(m) for m in self.metrics)))
-        except ValueError as err:
-            raise UserError(f"statistics.metrics: {err}") from None
+        object.__setattr__(self, "metrics", canonical_metrics(self.metrics, "statistics.metrics", allow_empty=True))
         if self.p_adjust not in P_ADJUST_METHODS:
             raise UserError(f"p_adjust must be one of {P_ADJUST_METHODS} (got {self.p_adjust!r})")
         for option in ("bootstrap_samples", "permutations"):

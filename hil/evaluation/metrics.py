@@ -46,6 +46,7 @@ from typing import Iterable, Literal, Mapping
 import numpy as np
 import pytrec_eval
 
+from hil.data.errors import UserError
 from hil.evaluation.runs import Run, top_k
 
 Qrels = dict[str, dict[str, int]]
@@ -98,6 +99,17 @@ def canonical_metric(name: str) -> str:
 # lacks count as not retrieved, and nothing else depends on the cutoff): recall@1000 of a top-100 run is its
 # recall@100. nDCG@k (ideal DCG over k) and P@k (divided by k) still depend on k: they are kept.
 DEPTH_BOUND_MEASURES = ("recall", "mrr", "success", "map")
+
+
+def canonical_metrics(names: Iterable[str], option: str, *, allow_empty: bool = False) -> tuple[str, ...]:
+    """A setting's metric names in the package's spelling, each once (:func:`canonical_metric`); a string, an empty
+    list (unless ``allow_empty``) or an unknown name is a :class:`~hil.data.errors.UserError` naming ``option``."""
+    if isinstance(names, str) or not (names or allow_empty):
+        raise UserError(f"{option}: a list of metric names expected (got {names!r})")
+    try:
+        return tuple(dict.fromkeys(canonical_metric(name) for name in names))
+    except ValueError as err:
+        raise UserError(f"{option}: {err}") from None
 
 
 def measurable_metrics(metrics: Iterable[str], depth: int) -> tuple[tuple[str, ...], tuple[str, ...]]:

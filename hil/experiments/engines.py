@@ -33,7 +33,7 @@ import json
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -264,15 +264,12 @@ def engine_lines(record: Mapping[str, Any], figure: str) -> list[str]:
             rows.append([model, name, fmt((engine.get("search_stats") or {}).get("candidates_mean"), 0),
                          _ci(engine[f"recall@{depth}_vs_exact"]), _ci(engine[METRIC])])
     lines += markdown_table(["Model", "engine", "candidates / query", f"recall@{depth} vs exact", "nDCG@10"], rows)
-    summary = seed_summary(record)
-    if summary:
+    over_seeds = summary_table(record, singles=False, cell=_spread)
+    if over_seeds:
         lines += ["", "## Over training seeds", "",
-                  f"Per method with two or more seeds: the mean of each figure over its seeds, +- the sample standard "
-                  f"deviation, [min, max]. avg cos: the most anisotropic head's raw tokens.", ""]
-        engines = list(next(iter(summary.values()))["engines"])
-        rows = [[method, str(entry["n_seeds"]), _spread(entry["avg_cos"])]
-                + [_spread(entry["engines"][e]) for e in engines] for method, entry in summary.items()]
-        lines += markdown_table(["Method", "seeds", "avg cos"] + [f"{e} recall@{depth}" for e in engines], rows)
+                  f"Per method with two or more seeds: each figure's mean over its seeds, +- the sample standard "
+                  f"deviation, [min, max]; recall@{depth} per engine. avg cos: the most anisotropic head's raw "
+                  "tokens.", "", *over_seeds]
     return lines + ["", f"![isotropy against MUVERA recall]({figure})"]
 
 
@@ -306,20 +303,29 @@ def seed_summary(record: Mapping[str, Any], singles: bool = False) -> dict[str, 
 def summary_lines(record: Mapping[str, Any], figure: str, details: str) -> list[str]:
     """The study in one table: per method (mean +- sd over its seeds) or single model, the raw tokens' average
     cosine and each engine's candidate recall; then the figure and where the per-model tables are (``details``)."""
-    depth, summary = record["settings"]["depth"], seed_summary(record, singles=True)
-    engines = list(next(iter(summary.values()))["engines"])
+    depth = record["settings"]["depth"]
 
     def cell(spread: Mapping[str, Any]) -> str:
         return fmt(spread["mean"]) + (f" +- {fmt(spread['sd'])}" if spread["sd"] is not None else "")
 
-    rows = [[method, str(entry["n_seeds"]), cell(entry["avg_cos"]), *(cell(entry["engines"][e]) for e in engines)]
-            for method, entry in summary.items()]
     return [f"Candidate recall@{depth} against exact MaxSim's top {depth} on {record['settings']['dataset']} "
             f"({record['n_queries']} queries, {record['n_docs']} documents): mean +- sample sd over a method's "
             "trainings; avg cos: the raw document tokens of the most anisotropic head.", "",
-            *markdown_table(["Model", "trainings", "avg cos", *engines], rows), "",
+            *summary_table(record, singles=True, cell=cell), "",
             f"Per model and head, with nDCG@10 and intervals: [{details}]({details}).", "",
             f"![isotropy against MUVERA recall]({figure})"]
+
+
+def summary_table(record: Mapping[str, Any], *, singles: bool, cell: Callable[[Mapping[str, Any]], str]
+                  ) -> list[str]:
+    """:func:`seed_summary` as a Markdown table (none when it is empty), each spread written by ``cell``."""
+    summary = seed_summary(record, singles=singles)
+    if not summary:
+        return []
+    engines = list(next(iter(summary.values()))["engines"])
+    rows = [[method, str(entry["n_seeds"]), cell(entry["avg_cos"]), *(cell(entry["engines"][e]) for e in engines)]
+            for method, entry in summary.items()]
+    return markdown_table(["Model", "trainings", "avg cos", *engines], rows)
 
 
 def _spread(spread: Mapping[str, Any]) -> str:
