@@ -47,6 +47,7 @@ class OneLineParser(ArgumentParser):
     """jsonargparse whose errors are one line naming the option, not a usage screen."""
 
     refused: str | None = None  # the last refusal, for a caller that says where it came from
+    config_files_given = False  # then that caller prints it, with the file and line (parse_experiment)
 
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
         if os.environ.get(DEBUG_ENV):
@@ -56,8 +57,6 @@ class OneLineParser(ArgumentParser):
             self.exit(2)  # the caller names the file and line (parse_experiment)
         sys.stderr.write(f"{self.prog}: error: {self.refused}\n")
         self.exit(2)
-
-    config_files_given = False
 
 
 def located(message: str, argv: list[str]) -> str:
