@@ -34,7 +34,7 @@ demo: setup
 # The paper's tables at this machine's scale (results/$(PROFILE)/report.md); resumes when rerun.
 PROFILE ?= cpu
 paper: setup
-	$(BIN)/python -m hil.experiments.paper --profile $(PROFILE)
+	$(BIN)/hil paper --profile $(PROFILE)
 
 test: setup
 	$(BIN)/python -m pytest -q

@@ -3,7 +3,7 @@
 
 import sys
 
-from hil.cli import evaluate_main
+from hil.cli.evaluate_script import main as evaluate_main
 
 if __name__ == "__main__":
     sys.exit(evaluate_main())

@@ -3,7 +3,7 @@
 
 import sys
 
-from hil.cli import train_main
+from hil.cli.train import train_main
 
 if __name__ == "__main__":
     sys.exit(train_main())  # as the hil-train console script runs it: None (status 0) after a successful run

@@ -10,7 +10,7 @@ HIL="${HIL:-.venv/bin/hil}"
 # 1. data: the MS MARCO sample's queries, every shipped MS MARCO passage as the collection
 "$PY" bench/distill_prep.py --out "$WORK/data"
 # 2. teacher: BM25 candidates (depth 64), all-MiniLM-L6-v2 as a dense (mean-pooled cosine) teacher, 16 per query
-"$PY" -m hil.experiments.teacher --queries "$WORK/data/queries.tsv" --collection "$WORK/data/collection.tsv" \
+"$PY" -m hil teacher --queries "$WORK/data/queries.tsv" --collection "$WORK/data/collection.tsv" \
   --qrels "$WORK/data/qrels.tsv" --positives first --miner bm25 --depth 64 --nway 16 --teacher all-MiniLM-L6-v2 \
   --teacher-kind dense --output "$WORK/data/examples.jsonl" --quiet
 # 3. students, the cpu preset's backbone and lengths: 60 steps of 16 queries x 8 documents (about one pass over the
@@ -29,7 +29,7 @@ done
   --baseline triples --datasets scifact,nfcorpus,dl19 --out "$WORK/beir" --index-root "$WORK/indexes" --quiet
 mkdir -p docs/distill-cpu && cp "$WORK/beir/table.json" "$WORK/beir/table.md" docs/distill-cpu/
 # 5. the teacher's own quality on SciFact: re-ranking BM25's top 100, its best 10 per query, scored as a run
-"$PY" -m hil.experiments.teacher --dataset scifact --split test --miner bm25 --depth 100 --nway 10 \
+"$PY" -m hil teacher --dataset scifact --split test --miner bm25 --depth 100 --nway 10 \
   --teacher all-MiniLM-L6-v2 --teacher-kind dense --format trec --output "$WORK/teacher/scifact.trec" --quiet
 printf 'datasets:\n  - {name: scifact, first_stage_run: %s, first_stage_name: teacher}\nmodels: []\noutput: %s\nstatistics: {enabled: false}\n' \
   "$WORK/teacher/scifact.trec" "$WORK/teacher/eval" > "$WORK/teacher/eval.yaml"

@@ -1,7 +1,7 @@
 """The distillation evidence's training data (issue 22, README "Distillation and n-way training"): the MS MARCO
 sample's 994 queries, and as collection every MS MARCO passage shipped with the shared data (the sample's passages
 and TREC DL19's 4,297), written as ColBERTv2's ``queries.tsv`` / ``collection.tsv`` plus the sample's positives as
-``qrels.tsv``. The teacher (``python -m hil.experiments.teacher``) then mines and scores candidates for them.
+``qrels.tsv``. The teacher (``hil teacher``) then mines and scores candidates for them.
 
     python bench/distill_prep.py --out distill/data      # reads $HIL_DATA_DIR/msmarco
 

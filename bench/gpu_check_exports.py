@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 from gpu_check_plan import GivenExport
 
-from hil.data.errors import UserError
+from hil.errors import UserError
 
 CONFIG_NAME = "hil_config.json"  # hil.modeling.encoder.CONFIG_NAME, not imported: that would load transformers
 

@@ -9,7 +9,7 @@ same triples (``qidpidtriples`` + ``queries`` + ``collection``; a pool of ``line
 of both. Then, each in a fresh child process (so each peak RSS, ``ru_maxrss``, is that measurement's alone):
 
 - ``offsets``: seconds to take the line offsets of a file (first open, no cache);
-- ``first batch``: ``TriplesDataModule`` setup + the first batch of ``--batch`` through its ``StatefulDataLoader``,
+- ``first batch``: ``TrainingDataModule`` setup + the first batch of ``--batch`` through its ``StatefulDataLoader``,
   ``cold`` (no offsets cache) and ``cached``;
 - ``read``: triples/s over ``--read`` triples in the shuffled order of the sampler, by 1 process and by 2
   processes at once (ranks 0 and 1 of a simulated world of 2, each reading ``--read``);
@@ -114,7 +114,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    from hil.data.datamodule import EpochShuffleSampler, TriplesDataModule, collate_triples
+    from hil.data.datamodule import EpochShuffleSampler, TrainingDataModule, collate_triples
     from hil.data.triples import read_triples
     from hil.data.triples_file import IdTriplesFile, TriplesFile
 
@@ -129,7 +129,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         out["triples"] = len(data)
         out["cache_bytes"] = sum(path.stat().st_size for path in cache.glob("*.npy"))
     elif what in ("first_batch_cold", "first_batch_cached"):
-        module = TriplesDataModule(**_data_settings(spec), batch_size=spec["batch"], cache_dir=str(cache))
+        module = TrainingDataModule(**_data_settings(spec), batch_size=spec["batch"], cache_dir=str(cache))
         module.setup("fit")
         batch = next(iter(module.train_dataloader()))
         out["batch"] = len(batch["queries"])
@@ -139,7 +139,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         loader = StatefulDataLoader(triples, batch_size=spec["batch"], sampler=sampler, collate_fn=collate_triples)
         out["batch"] = len(next(iter(loader))["queries"])
     elif what == "read":
-        module = TriplesDataModule(**_data_settings(spec), batch_size=spec["batch"], cache_dir=str(cache))
+        module = TrainingDataModule(**_data_settings(spec), batch_size=spec["batch"], cache_dir=str(cache))
         module.setup("fit")
         sampler = EpochShuffleSampler(len(module.train_dataset), 12345, num_replicas=spec["world"], rank=spec["rank"])
         loader = StatefulDataLoader(module.train_dataset, batch_size=spec["batch"], sampler=sampler,

@@ -61,9 +61,10 @@ def batches(queries: int, nway: int, steps: int, seed: int) -> list[dict[str, An
     out = []
     for _ in range(steps):
         picks = torch.randint(len(triples), (queries,), generator=generator).tolist()
-        docs = torch.randint(len(passages), (queries * (nway - 1),), generator=generator).tolist()
-        out.append({"queries": [triples[p].query for p in picks], "positives": [triples[p].positive for p in picks],
-                    "negatives": [passages[d] for d in docs],
+        docs = torch.randint(len(passages), (nway - 1, queries), generator=generator).tolist()  # column by column
+        out.append({"queries": [triples[p].query for p in picks],
+                    "documents": [[triples[p].positive, *(passages[column[i]] for column in docs)]
+                                  for i, p in enumerate(picks)],
                     "teacher_scores": torch.randn(queries, nway, generator=generator)})
     return out
 
@@ -156,7 +157,8 @@ def peer_sweep(args: argparse.Namespace, base: dict[str, Any]) -> tuple[list[dic
     from hil.paths import resolve_model
 
     spec = {**base, "arch": "colbert", "loss": "inbatch", "queries": args.peer_batch, "nway": 2, "chunk": None}
-    steps = [{key: batch[key] for key in ("queries", "positives", "negatives")}
+    steps = [{"queries": batch["queries"], "positives": [docs[0] for docs in batch["documents"]],
+              "negatives": [docs[1] for docs in batch["documents"]]}  # PyLate's triples (bench/peer_train_pylate.py)
              for batch in batches(args.peer_batch, 2, args.warmup + args.steps, args.seed)]  # what measure() trains on
     ours, theirs = [], []
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,7 +1,7 @@
-"""``python -m hil``: the ``hil`` command (:mod:`hil.console`)."""
+"""``python -m hil``: the ``hil`` command (:mod:`hil.cli.main`)."""
 
 import sys
 
-from hil.console import main
+from hil.cli.main import main
 
 sys.exit(main())

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from hil.data.beir import BeirDataset, load_beir
-from hil.data.errors import UserError
+from hil.errors import UserError
 from hil.evaluation.metrics import DEFAULT_METRICS
 from hil.evaluation.metrics import evaluate_run as _evaluate_run
 from hil.modeling.contracts import Encoder

@@ -28,10 +28,10 @@ class Shim:
 
 SHIMS = (
     # spellings from before 0.2 (typed back-end settings replaced FAISS-only names)
-    Shim("--faiss", "hil/evaluation/cli.py", "--backend", "0.3.0"),
-    Shim("--faiss-params", "hil/evaluation/cli.py", "--backend-params", "0.3.0"),
-    Shim("--faiss", "hil/experiments/beir.py", "--backend", "0.3.0"),
-    Shim("--faiss", "hil/analysis/cli.py", "--backend", "0.3.0"),
+    Shim("--faiss", "hil/cli/evaluate_script.py", "--backend", "0.3.0"),
+    Shim("--faiss-params", "hil/cli/evaluate_script.py", "--backend-params", "0.3.0"),
+    Shim("--faiss", "hil/cli/beir.py", "--backend", "0.3.0"),
+    Shim("--faiss", "hil/cli/analyze.py", "--backend", "0.3.0"),
     Shim("backend_params", "hil/evaluation/evaluate.py", "EvaluationSettings(backend=IndexConfig, search=SearchConfig)",
          "0.3.0"),
     Shim("ncandidates", "hil/evaluation/evaluate.py", "SearchConfig.ncandidates", "0.3.0"),
@@ -41,6 +41,9 @@ SHIMS = (
     Shim("FAISS_KINDS", "hil/retrieval/backends/registry.py", "BACKEND_KINDS", "0.3.0"),
     Shim("faiss_settings = backend_settings", "hil/retrieval/index.py", "TokenIndex.backend_settings", "0.3.0"),
     Shim("TrainingLoss = Term", "hil/modeling/terms.py", "hil.modeling.terms.Term", "0.3.0"),
+    Shim('name == "TriplesDataModule"', "hil/data/datamodule.py", "hil.data.datamodule.TrainingDataModule", "0.3.0"),
+    # module moves of 0.2 (the user-facing errors at the bottom layer; the command lines in hil.cli)
+    Shim("from hil.errors import *", "hil/data/errors.py", "hil.errors", "0.3.0"),
     # readers of artifacts written by earlier versions
     Shim('"faiss"', "hil/retrieval/index.py", 'index.json "backend" (indexes written before 0.2)', None),
     Shim("LEGACY_SEARCH_PARAMS", "hil/retrieval/index.py", "search-time settings outside index.json (before 0.2)",

@@ -12,7 +12,7 @@ import pytrec_eval
 import torch
 
 import hil
-from hil.data.errors import UserError
+from hil.errors import UserError
 
 pytestmark = pytest.mark.integration
 README = Path(__file__).resolve().parents[1] / "README.md"

@@ -10,8 +10,8 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "hil"
 # Layers from the bottom up (docs/design.md): a module may import its own layer or a lower one, never a higher one.
-LAYERS = [("paths", "provenance", "compat"), ("data",), ("isotropy",), ("modeling",), ("retrieval",), ("evaluation",),
-          ("analysis", "experiments"), ("cli", "api", "console", "__main__")]
+LAYERS = [("paths", "provenance", "compat", "errors"), ("data",), ("isotropy",), ("modeling",), ("retrieval",),
+          ("evaluation",), ("analysis", "experiments"), ("cli", "api", "console", "__main__")]
 MAX_MODULE_LINES = 500
 MAX_REPORT_FUNCTION_LINES = 60
 REPORT_MODULES = ("experiments/paper.py", "experiments/report.py", "experiments/records.py", "analysis/report.py",

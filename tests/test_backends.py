@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hil.data.errors import UserError
+from hil.errors import UserError
 from hil.retrieval.backends.configs import (INDEX_CONFIGS, SEARCH_CONFIGS, IvfFlatIndexConfig, PlaidIndexConfig,
                                             PlaidSearchConfig, configs_from_params, with_search_values)
 from hil.retrieval.backends.registry import BACKEND_KINDS, BACKENDS, backend_class, open_backend

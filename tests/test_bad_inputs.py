@@ -4,7 +4,7 @@ where it enters, with one line that names the file and line, the option or the k
 The table has three parts. Command-line rows run ``evaluate.py`` / ``train.py fit`` in this process (the same
 ``main`` the scripts call) and check the exit status (2), that nothing but one ``error:`` line reaches stderr (no
 traceback, no usage screen) and the words of that line; a few of them run the scripts as real subprocesses too.
-API rows call the functions and check that the exception is a :class:`~hil.data.errors.UserError` (the type every
+API rows call the functions and check that the exception is a :class:`~hil.errors.UserError` (the type every
 command prints as one line) whose message holds the words. The bad files are small slices of the shared SciFact.
 """
 
@@ -24,9 +24,9 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from hil.cli import run_train, train_main
-from hil.data.errors import DataFormatError, MissingInputError, UserError
-from hil.evaluation.cli import main as evaluate_command
+from hil.cli.train import run_train, train_main
+from hil.errors import DataFormatError, MissingInputError, UserError
+from hil.cli.evaluate_script import main as evaluate_command
 
 REPO = Path(__file__).resolve().parents[1]
 N_DOCS, N_JUDGED = 20, 6  # corpus.jsonl has 20 lines; qrels/test.tsv a header and 6 judgments (7 lines)
@@ -194,11 +194,11 @@ EVALUATE_ROWS = [
     ("k-zero", None, ["--k", "0"], ["--k must be >= 1 (got 0)"]),
     ("k-negative", None, ["--k", "-5"], ["--k must be >= 1 (got -5)"]),
     ("ncandidates-zero", None, ["--ncandidates", "0"], ["--ncandidates must be >= 1 (got 0)"]),
-    ("faiss-params-not-json", None, ["--faiss-params", "{nlist: 4}"], ["argument --backend-params/--faiss-params: not valid JSON"]),
+    ("faiss-params-not-json", None, ["--faiss-params", "{nlist: 4}"], ["--faiss-params: not valid JSON"]),
     ("faiss-params-unknown-key", None, ["--faiss", "ivfflat", "--faiss-params", '{"nlists": 4}'],
      ["--backend-params / --ncandidates with --backend ivfflat", "'nlists'"]),
     ("faiss-params-text-value", None, ["--faiss", "ivfflat", "--faiss-params", '{"nlist": "many"}'],
-     ["argument --backend-params/--faiss-params: 'nlist' must be a number"]),
+     ["--faiss-params: 'nlist' must be a number"]),
     ("ivf-nlist-above-the-tokens", None, ["--faiss", "ivfflat", "--faiss-params", '{"nlist": 100000}'],
      ["nlist=100000 needs at least 100000 training tokens", "lower nlist"]),
     ("ivfpq-m-not-dividing-dim", None, ["--faiss", "ivfpq", "--faiss-params", '{"m": 7}'],

@@ -40,3 +40,15 @@ def test_the_deprecated_spellings_say_so_when_used():
 
     with pytest.warns(DeprecationWarning, match="deprecated"):
         backend_from(faiss_kind="flat")
+
+
+def test_the_data_module_old_name_still_imports_with_a_warning():
+    """``TriplesDataModule`` (the name before the data module served n-way examples, runs and teacher outputs) is
+    the same class, and says that its name is deprecated; an unknown name is still an AttributeError."""
+    import hil.data.datamodule as datamodule
+
+    with pytest.warns(DeprecationWarning, match="TriplesDataModule is deprecated: use TrainingDataModule"):
+        from hil.data.datamodule import TriplesDataModule
+    assert TriplesDataModule is datamodule.TrainingDataModule
+    with pytest.raises(AttributeError, match="NoSuchDataModule"):
+        datamodule.NoSuchDataModule  # noqa: B018

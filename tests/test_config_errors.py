@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from hil.cli import one_line, train_main, user_error
-from hil.data.errors import DataFormatError
+from hil.cli.train import one_line, train_main, user_error
+from hil.errors import DataFormatError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -23,7 +23,7 @@ def run_cli(tmp_path: Path, capsys, *extra: str) -> tuple[int, str]:
     with pytest.raises(SystemExit) as exit_info:
         train_main(args)
     err = capsys.readouterr().err
-    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    errors = [line for line in err.splitlines() if line.startswith("error:") or ": error: " in line]
     assert len(errors) == 1, err
     assert "Traceback" not in err and "usage:" not in err, err
     return exit_info.value.code, errors[0]

@@ -15,7 +15,7 @@ import yaml
 
 from nway_examples import write_nway_examples
 
-from hil.cli import train_main
+from hil.cli.train import train_main
 from hil.data.beir import load_beir
 from hil.evaluation.evaluate import EvaluationSettings, evaluate
 from hil.modeling.ensemble import EnsembleEncoder
@@ -250,7 +250,7 @@ def test_colbert_lambda_from_the_iso_and_aniso_exports(trained, scifact_slice, t
 
 def test_evaluate_cli_recomputes_hil_idf_on_the_target_corpus(trained, tmp_path, capsys):
     """``--idf corpus`` replaces the IDF learnt from the training triples with the evaluated corpus's."""
-    from hil.evaluation.cli import main
+    from hil.cli.evaluate_script import main
 
     export = trained("colbert_hil")
     common = ["--dataset", "scifact", "--max-queries", "6", "--max-docs", "60", "--no-bm25", "--no-stats",
@@ -273,7 +273,7 @@ def test_evaluate_cli_encodes_documents_with_onnx_int8(trained, tmp_path):
     """``--encode-documents onnx-int8``: the corpus goes through ONNX Runtime int8, in an index folder of its own,
     and the results record how; the nDCG stays near the fp32 run's on the same slice."""
     pytest.importorskip("onnxruntime")
-    from hil.evaluation.cli import main
+    from hil.cli.evaluate_script import main
 
     common = ["--model", str(trained("colbert")), "--dataset", "scifact", "--max-queries", "20", "--max-docs", "150",
               "--no-bm25", "--no-stats", "--quiet", "--k", "20", "--index-root", str(tmp_path / "indexes")]

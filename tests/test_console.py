@@ -1,4 +1,4 @@
-"""The ``hil`` command (hil.console) and the commands the README shows.
+"""The ``hil`` command (hil.cli.main) and the commands the README shows.
 
 - every subcommand answers ``--help`` (exit 0) and a bad option or command in one line (exit 2);
 - ``hil evaluate --print_config`` prints YAML that, given back as ``--config``, describes the same experiment;
@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from hil.console import main as hil_main
-from hil.console import parse_experiment
-from hil.evaluation.cli import main as evaluate_main
+from hil.cli.main import main as hil_main
+from hil.cli.main import parse_experiment
+from hil.cli.evaluate_script import main as evaluate_main
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -224,7 +224,7 @@ def test_hil_help_imports_no_torch():
     import subprocess
     import sys
 
-    probe = ("import sys\nfrom hil.console import main\nassert main(['--help']) == 0\n"
+    probe = ("import sys\nfrom hil.cli.main import main\nassert main(['--help']) == 0\n"
              "heavy = sorted(m for m in ('torch', 'transformers', 'pytorch_lightning') if m in sys.modules)\n"
              "print('heavy:', heavy)\n")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from hil.data.beir import BeirDataset, load_beir
 from hil.data.bm25 import BM25Index
-from hil.data.errors import DataFormatError
+from hil.errors import DataFormatError
 from hil.data.triples import Triple, iter_triples, mine_bm25_triples, read_triples, write_triples
 
 SHARED = Path(os.environ.get("HIL_SHARED_DIR", Path(__file__).resolve().parents[1].parent / "shared"))

@@ -13,7 +13,7 @@ import torch
 from test_first_stage import N_QUERIES, cli, write_rerank_set
 
 from hil.data.beir import load_beir
-from hil.evaluation.cli import main
+from hil.cli.evaluate_script import main
 from hil.evaluation.evaluate import EvaluationSettings, evaluate, evaluate_bm25
 from hil.retrieval import devices
 from hil.retrieval.devices import autocast, check_precision, faiss_gpu_for, resolve_device

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 import hil.experiments.beir as beir
+import hil.cli.beir as beir_cli
 import hil.experiments.paper as paper
-from hil.data.errors import MissingInputError
+from hil.errors import MissingInputError
 from hil.experiments.beir_sets import BEIR_SETS, BY_KEY, select
 from hil.experiments.profiles import DATASETS, FIRST_STAGES, PROFILES, RERANKING_SETS, default_datasets
 from hil.experiments.records import dataset_column, load_dataset
@@ -147,7 +148,7 @@ def test_the_paper_experiment_reranks_dl20_and_reports_it(data_dir, tmp_path, mo
 def test_the_beir_command_reranks_dl20s_run_which_is_its_bm25_column(data_dir, tmp_path, tiny_model_dir):
     out = tmp_path / "out"
     assert select("all", data_dir).parts == {"dl20": ("msmarco/dl20",)}
-    assert beir.main(["--model", f"tiny={tiny_model_dir}", "--datasets", "dl20", "--data-dir", str(data_dir),
+    assert beir_cli.main(["--model", f"tiny={tiny_model_dir}", "--datasets", "dl20", "--data-dir", str(data_dir),
                       "--out", str(out), "--mode", "exhaustive", "--index-root", "none", "--k", "10",
                       "--rerank-depth", "3", "--dim", "16", "--device", "cpu", "--bootstrap-samples", "50",
                       "--quiet"]) == 0

@@ -24,8 +24,8 @@ import torch
 import yaml
 
 from conftest import random_bert
-from hil.cli import train_main
-from hil.data.errors import UserError
+from hil.cli.train import train_main
+from hil.errors import UserError
 from hil.modeling.encoder import ColBERTEncoder
 from hil.modeling.encoder_settings import ColBERTSettings, EncoderSettings, HILSettings
 from hil.modeling.export import export_model

@@ -66,7 +66,7 @@ def test_engine_study_on_a_slice(tiny_model_dir, tmp_path):
 
 
 def test_models_given_with_seeds_are_trainings_of_one_method():
-    from hil.data.errors import UserError
+    from hil.errors import UserError
     from hil.experiments.engines import model_specs
 
     specs = model_specs("A@1=/a1,A@2=/a2,B=/b")

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from hil.data.beir import BeirDataset
 from hil.evaluation.evaluate import first_stage
 from hil.evaluation.runs import read_trec_run
-from hil.experiments.paper import head_overlap, main, relevant_pairs
+from hil.cli.paper import main
+from hil.experiments.paper import head_overlap, relevant_pairs
 from hil.experiments.profiles import (DATASETS, DEFAULT_VARIANTS, DIAGNOSTICS, FIRST_STAGES, PROFILES, VARIANTS,
                                       default_datasets)
 from hil.experiments.records import NOT_COLUMNS, dataset_column, delta_inter_iso, load_dataset
@@ -100,7 +101,7 @@ def test_profile_budget_is_what_train_py_resolves(name):
 
     import yaml
 
-    from hil.cli import train_main
+    from hil.cli.train import train_main
 
     profile = PROFILES[name]
     buffer = io.StringIO()

@@ -1,4 +1,4 @@
-"""BEIR in one command (``python -m hil.experiments.beir``): Table 2's numbers against the results files and
+"""BEIR in one command (``hil beir``): Table 2's numbers against the results files and
 pytrec_eval, CQADupStack as the mean of its forums, averages and relative changes by hand, resume, judgments of
 documents outside the corpus, and one-line user errors.
 
@@ -22,6 +22,7 @@ import pytrec_eval
 from scipy import stats as scipy_stats
 
 import hil.experiments.beir as beir
+import hil.cli.beir as beir_cli
 from hil.evaluation.statistics import bootstrap_ci, stratified_bootstrap_ci
 import hil.evaluation.runner as runner
 from hil.evaluation.runner import column_name
@@ -96,7 +97,7 @@ def sweep(tmp_path_factory, shared_dir: Path, models, one_thread_module) -> dict
     root = tmp_path_factory.mktemp("beir")
     data, out = data_dir(root / "data", shared_dir), root / "out"
     args = sweep_args(data, out, models)
-    assert beir.main(args) == 0
+    assert beir_cli.main(args) == 0
     return {"data": data, "out": out, "args": args, "table": json.loads((out / "table.json").read_text())}
 
 
@@ -251,7 +252,7 @@ def test_resume_skips_finished_pairs_and_recomputes_one_whose_settings_changed(s
     monkeypatch.setattr(runner, "evaluate_bm25", lambda dataset, **kw: calls.append("bm25") or
                         real_bm25(dataset, **kw))
     args = [a if a != str(sweep["out"]) else str(out) for a in sweep["args"]]
-    assert beir.main(args) == 0
+    assert beir_cli.main(args) == 0
     assert calls == []
     again = json.loads((out / "table.json").read_text())
     assert [r["scores"] for r in again["rows"]] == [r["scores"] for r in sweep["table"]["rows"]]
@@ -260,12 +261,12 @@ def test_resume_skips_finished_pairs_and_recomputes_one_whose_settings_changed(s
     changed = json.loads(path.read_text())
     changed["identity"]["evaluation"]["k"] = 7
     path.write_text(json.dumps(changed))
-    assert beir.main(args) == 0
+    assert beir_cli.main(args) == 0
     assert calls == ["other"]
     assert json.loads(path.read_text())["identity"]["evaluation"]["k"] == 50
 
     calls.clear()
-    assert beir.main(args[:-1] + ["--datasets", "scidocs", "--precision", "bf16", "--quiet"]) == 0
+    assert beir_cli.main(args[:-1] + ["--datasets", "scidocs", "--precision", "bf16", "--quiet"]) == 0
     assert calls == ["tiny", "other"]  # the models' settings changed, BM25's did not
 
 
@@ -274,7 +275,7 @@ def test_resume_skips_finished_pairs_and_recomputes_one_whose_settings_changed(s
 def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     env.pop("HIL_DEBUG", None)
-    return subprocess.run([sys.executable, "-m", "hil.experiments.beir", *args], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, "-m", "hil", "beir", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=120)
 
 
@@ -302,7 +303,7 @@ def test_unknown_dataset_and_bad_model_path_are_one_line_without_traceback(tmp_p
     (["--model", "a=x", "--k", "0"], "--k"),
 ])
 def test_bad_arguments_are_one_line_naming_the_option(args, option, capsys):
-    assert beir.main(args) == 2
+    assert beir_cli.main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and option in err[0], err
 
@@ -311,7 +312,7 @@ def test_a_path_that_is_no_model_is_one_line(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     (tmp_path / "junk.ckpt").write_text("not a checkpoint")
     for source in (tmp_path / "empty", tmp_path / "junk.ckpt"):
-        assert beir.main(["--model", str(source), "--datasets", "scifact", "--quiet"]) == 2
+        assert beir_cli.main(["--model", str(source), "--datasets", "scifact", "--quiet"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and f"--model {source}" in err[0], err
 
@@ -319,10 +320,10 @@ def test_a_path_that_is_no_model_is_one_line(tmp_path, capsys):
 def test_no_dataset_found_and_an_unreachable_named_one_are_one_line(tmp_path, capsys, tiny_model_dir):
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert beir.main(["--model", f"t={tiny_model_dir}", "--data-dir", str(empty), "--out", str(tmp_path / "o")]) == 2
+    assert beir_cli.main(["--model", f"t={tiny_model_dir}", "--data-dir", str(empty), "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--datasets" in err[0] and "no BEIR dataset found" in err[0], err
-    assert beir.main(["--model", f"t={tiny_model_dir}", "--data-dir", str(empty), "--datasets", "dl19", "--quiet",
+    assert beir_cli.main(["--model", f"t={tiny_model_dir}", "--data-dir", str(empty), "--datasets", "dl19", "--quiet",
                       "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--datasets dl19" in err[0], err
@@ -332,7 +333,7 @@ def test_no_dataset_found_and_an_unreachable_named_one_are_one_line(tmp_path, ca
 def test_all_names_the_missing_datasets_in_one_notice(sweep, tmp_path, capsys, models):
     out = tmp_path / "out"
     shutil.copytree(sweep["out"], out)
-    assert beir.main([a if a != str(sweep["out"]) else str(out) for a in sweep["args"]]) == 0
+    assert beir_cli.main([a if a != str(sweep["out"]) else str(out) for a in sweep["args"]]) == 0
     notices = [line for line in capsys.readouterr().err.splitlines() if line.startswith("notice:")]
     assert len(notices) == 1
     for name in ("msmarco", "trec-covid", "cqadupstack/gis", "climate-fever"):

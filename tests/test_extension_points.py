@@ -97,7 +97,7 @@ def outside(tmp_path, monkeypatch):
 
 @pytest.mark.integration
 def test_a_new_loss_is_one_file_and_a_config(outside, tmp_path, shared_dir):
-    from hil.cli import train_main
+    from hil.cli.train import train_main
 
     delta = outside / "hinge.yaml"
     delta.write_text("model:\n  loss:\n    class_path: my_loss.ScoreHinge\n    init_args: {margin: 0.5}\n")
@@ -113,7 +113,7 @@ def test_a_new_loss_is_one_file_and_a_config(outside, tmp_path, shared_dir):
 
 @pytest.mark.integration
 def test_a_new_backend_is_one_file_and_a_recipe(outside, tmp_path, tiny_model_dir):
-    from hil.console import main as hil_main
+    from hil.cli.main import main as hil_main
 
     recipe = outside / "every_doc.yaml"
     recipe.write_text("settings:\n  backend: {class_path: my_backend.EveryDocIndexConfig}\n"

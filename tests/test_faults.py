@@ -26,7 +26,7 @@ from torch import nn
 
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from hil.data.datamodule import EpochShuffleSampler, TriplesDataModule
+from hil.data.datamodule import EpochShuffleSampler, TrainingDataModule
 from hil.modeling.callbacks import NonFiniteGuard, NonFiniteLossError, step_seed
 from hil.modeling.encoder import ColBERTEncoder
 from hil.modeling.losses import LossOutput, PairwiseCE
@@ -66,7 +66,7 @@ class RecordBatches(pl.Callback):
         metric = trainer.callback_metrics.get("train/in_batch_candidates")
         record = {"rank": trainer.global_rank, "world": trainer.world_size, "step": trainer.global_step,
                   "epoch": trainer.current_epoch, "batch_idx": batch_idx,
-                  "triples": list(zip(batch["queries"], batch["positives"], batch["negatives"])),
+                  "triples": [[query, *documents] for query, documents in zip(batch["queries"], batch["documents"])],
                   "params": parameter_fingerprint(pl_module),
                   "in_batch_candidates": None if metric is None else float(metric)}
         with open(self.out_dir / f"rank{trainer.global_rank}.jsonl", "a", encoding="utf-8") as handle:
@@ -116,7 +116,7 @@ def assert_same_tensors(a, b, where: str) -> None:
 
 @pytest.mark.integration
 def test_sigkill_mid_epoch_then_resume_equals_uninterrupted_run(shared_dir, tmp_path, restore_determinism):
-    from hil.cli import train_main
+    from hil.cli.train import train_main
 
     killed_root, killed_records = tmp_path / "killed", tmp_path / "killed_records"
     killed_records.mkdir()
@@ -203,7 +203,7 @@ def write_triples(path: Path, n: int) -> Path:
 
 
 def loader_for(path: Path, batch_size: int = 4, num_replicas: int = 1, rank: int = 0) -> StatefulDataLoader:
-    data = TriplesDataModule(triples=str(path), batch_size=batch_size, seed=7)
+    data = TrainingDataModule(triples=str(path), batch_size=batch_size, seed=7)
     data.setup("fit")
     sampler = EpochShuffleSampler(len(data.train_dataset), 7, num_replicas=num_replicas, rank=rank)
     from hil.data.datamodule import collate_triples
@@ -328,7 +328,7 @@ class WeightsPerStep(pl.Callback):
 def toy_fit(tmp_path: Path, model: RetrieverModule, steps: int = 4, policy: str = "raise",
             callbacks: tuple = ()) -> tuple[pl.Trainer, NonFiniteGuard]:
     tmp_path.mkdir(parents=True, exist_ok=True)
-    data = TriplesDataModule(triples=str(write_triples(tmp_path / "toy.tsv", 16)), batch_size=4, seed=1)
+    data = TrainingDataModule(triples=str(write_triples(tmp_path / "toy.tsv", 16)), batch_size=4, seed=1)
     guard = NonFiniteGuard(policy)
     trainer = pl.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
@@ -389,7 +389,7 @@ def test_guard_policy_is_checked():
 
 @pytest.mark.integration
 def test_cli_reports_a_nonfinite_loss_in_one_line(shared_dir, tmp_path, capsys, monkeypatch):
-    from hil.cli import train_main
+    from hil.cli.train import train_main
 
     calls = []
     original = PairwiseCE.forward

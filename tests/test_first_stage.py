@@ -12,7 +12,7 @@ import torch
 from conftest import random_bert
 
 from hil.data.beir import load_beir
-from hil.evaluation.cli import main
+from hil.cli.evaluate_script import main
 from hil.evaluation.evaluate import EvaluationSettings, evaluate, evaluate_run_file, first_stage
 from hil.evaluation.runs import read_trec_run
 from hil.modeling.encoder import ColBERTEncoder

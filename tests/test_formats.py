@@ -14,7 +14,7 @@ import pytest
 import torch
 from peer_layouts import pylate_reference, stanford_reference, write_pylate, write_stanford
 
-from hil.data.errors import MissingInputError, UserError
+from hil.errors import MissingInputError, UserError
 from hil.modeling.encoder import ColBERTEncoder
 from hil.modeling.export import export_model
 from hil.modeling.formats import ModelFormatError, model_layout

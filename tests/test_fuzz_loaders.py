@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from hil.data import line_index
 from hil.data.beir import read_corpus_jsonl, read_qrels_tsv, read_queries_jsonl
-from hil.data.errors import DataFormatError
+from hil.errors import DataFormatError
 from hil.data.triples import Triple, read_triples
 from hil.data.triples_file import TriplesFile
 from hil.evaluation.runs import read_trec_run

@@ -11,7 +11,7 @@ import pytorch_lightning as pl
 import torch
 from transformers import BertConfig, BertModel
 
-from hil.data.errors import UserError
+from hil.errors import UserError
 from hil.isotropy.regularizers import CosRegRegularizer, InterIsoRegularizer
 from hil.modeling import gradcache
 from hil.modeling.batch import RankingBatch
@@ -30,8 +30,7 @@ COLUMNS = [["Fever is caused by infection.", "Coffee delays sleep.", "Cats are s
            ["Dogs bark at cats.", "Infection spreads fast.", "Sleep is restful.", "A lion is a big cat.",
             "The Seine flows through Paris."]]
 TEACHER = torch.tensor([[3.0, 0.0, 1.0], [2.0, 1.0, -1.0], [0.5, 2.0, 1.0], [4.0, 0.0, 0.0], [1.0, 1.5, 0.2]])
-STRINGS = {"queries": QUERIES, "positives": COLUMNS[0], "negatives": COLUMNS[1] + COLUMNS[2],
-           "teacher_scores": TEACHER}
+STRINGS = {"queries": QUERIES, "documents": [list(row) for row in zip(*COLUMNS)], "teacher_scores": TEACHER}
 
 
 def backbone(hf_tokenizer, dropout: float, seed: int = 0):
@@ -272,7 +271,7 @@ def test_lightning_trains_with_gradcache_as_without(shared_dir, tmp_path, one_th
     """Two optimizer steps through Lightning (automatic optimization, gradient clipping at 2.0) with and without
     GradCache end at the same weights (dropout off: the chunks then encode as the whole batch; SGD, whose step is
     proportional to the gradient, where Adam's first step would magnify float noise in near-zero gradients)."""
-    from hil.data.datamodule import TriplesDataModule
+    from hil.data.datamodule import TrainingDataModule
 
     weights, before = [], {}
     for chunk in (None, 3):
@@ -284,7 +283,7 @@ def test_lightning_trains_with_gradcache_as_without(shared_dir, tmp_path, one_th
         before = {k: v.clone() for k, v in encoder.state_dict().items()}
         module = RetrieverModule(encoder, NWayCE(), terms=[InBatchCE(weight=0.5)],
                                  optimizer=partial(torch.optim.SGD, lr=0.5), gradcache_chunk_size=chunk)
-        data = TriplesDataModule(triples="msmarco/triples.train.small.head1000.tsv", max_triples=16, batch_size=8,
+        data = TrainingDataModule(triples="msmarco/triples.train.small.head1000.tsv", max_triples=16, batch_size=8,
                                  shuffle=False)
         trainer = pl.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False,
                              enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=2.0,

@@ -34,7 +34,7 @@ from pytorch_lightning.callbacks import LearningRateMonitor, ModelCheckpoint
 from pytorch_lightning.loggers import CSVLogger
 from pytorch_lightning.plugins.precision import MixedPrecision
 
-from hil.data.datamodule import TokenizedCollate, TriplesDataModule, collate_examples
+from hil.data.datamodule import TokenizedCollate, TrainingDataModule, collate_examples
 from hil.data.triples import Triple
 from hil.modeling.backbone_mask import backbone_attention_mask
 from hil.modeling.callbacks import (NonFiniteGuard, NonFiniteLossError, ProgressLines, StepReseed,
@@ -106,7 +106,7 @@ def fit(tmp_path: Path, module: RetrieverModule, steps: int, log_every: int = 3,
         max_triples: int = 64, batch_size: int = 4, **trainer_args) -> pl.Trainer:
     """``train.py``'s callbacks around a short run: reseeding, the guard, progress lines and the progress bar, a
     learning-rate monitor and a CSV logger."""
-    data = TriplesDataModule(triples=TRIPLES, max_triples=max_triples, batch_size=batch_size, seed=3,
+    data = TrainingDataModule(triples=TRIPLES, max_triples=max_triples, batch_size=batch_size, seed=3,
                              num_workers=num_workers)
     lines = ProgressLines(every_n_seconds=1e-6, when="always")
     lines.stream = io.StringIO()
@@ -316,7 +316,7 @@ def test_nonfinite_gradients_is_any_nan_or_inf_of_any_gradient():
 def string_loop_losses(module: RetrieverModule, steps: int, base_seed: int, batch_size: int) -> list[float]:
     """The old path written out: batches of strings from the same sampler, tokenized by ``compute_loss``, the step
     seeded as StepReseed does, AdamW stepped by hand."""
-    data = TriplesDataModule(triples=TRIPLES, max_triples=64, batch_size=batch_size, seed=3, num_workers=0)
+    data = TrainingDataModule(triples=TRIPLES, max_triples=64, batch_size=batch_size, seed=3, num_workers=0)
     data.setup("fit")
     optimizer = module.configure_optimizers()["optimizer"]
     module.train()
@@ -346,7 +346,7 @@ def csv_losses(trainer: pl.Trainer) -> list[float]:
 def test_tokenizing_in_loader_workers_gives_the_loss_curve_of_the_string_path(shared_dir, tmp_path, architecture):
     reference = tiny_module(architecture)
     if architecture == "hil":  # what setup does from the training passages
-        data = TriplesDataModule(triples=TRIPLES, max_triples=64, batch_size=4, seed=3)
+        data = TrainingDataModule(triples=TRIPLES, max_triples=64, batch_size=4, seed=3)
         data.setup("fit")
         reference.encoder.set_idf_from_texts(*data.idf_documents())
     expected = string_loop_losses(reference, steps=5, base_seed=11, batch_size=4)
@@ -373,7 +373,7 @@ def test_a_run_resumed_with_loader_workers_equals_the_uninterrupted_run(shared_d
     # 24 triples in batches of 4: 6 batches an epoch; the checkpoint at step 3, while the workers read ahead
     fit(tmp_path / "a", whole, steps=8, num_workers=2, max_triples=24, callbacks=(checkpoints, whole_texts))
     resumed = tiny_module()
-    data = TriplesDataModule(triples=TRIPLES, max_triples=24, batch_size=4, seed=3, num_workers=2)
+    data = TrainingDataModule(triples=TRIPLES, max_triples=24, batch_size=4, seed=3, num_workers=2)
     trainer = pl.Trainer(max_steps=8, accelerator="cpu", logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path / "b",
                          callbacks=[StepReseed(11), NonFiniteGuard(), resumed_texts])
@@ -398,7 +398,7 @@ def test_the_collate_tokenizes_the_strings_it_carries(shared_dir):
 
 # -- 4. the GPU preset's settings -------------------------------------------------------------------------------------
 def test_float32_matmul_precision_is_a_setting_applied_before_training(shared_dir, tmp_path, capsys):
-    from hil.cli import run_train
+    from hil.cli.train import run_train
 
     args = ["fit", "--config", str(REPO / "configs/colbert.yaml"), "--config", str(REPO / "configs/presets/smoke.yaml"),
             "--trainer.default_root_dir", str(tmp_path), "--trainer.logger", "false", "--trainer.max_steps", "1",

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from hil.data.errors import UserError
+from hil.errors import UserError
 from hil.retrieval import kmeans as kmeans_module
 from hil.retrieval.backends.configs import PlaidIndexConfig, PlaidSearchConfig
 from hil.retrieval.builder import _same_build_params, build_index, open_or_build_index

@@ -155,7 +155,8 @@ def test_module_adds_the_regularizer_to_the_loss_and_logs_inter_iso_once(colbert
         return inter_iso(*args, **kwargs)
 
     monkeypatch.setattr(batch_module, "inter_iso", counted)
-    loss, parts = module.compute_loss({"queries": QUERIES, "positives": POSITIVES, "negatives": NEGATIVES})
+    loss, parts = module.compute_loss({"queries": QUERIES,
+                                       "documents": [list(pair) for pair in zip(POSITIVES, NEGATIVES)]})
     monkeypatch.undo()
     with torch.no_grad():
         batch = encode(colbert)

@@ -14,7 +14,7 @@ import json
 import pytest
 import pytrec_eval
 
-from hil.data.errors import UserError
+from hil.errors import UserError
 from hil.evaluation.evaluate import EvaluationSettings
 from hil.evaluation.experiment import DatasetSpec, Experiment, ModelSpec, StatisticsSettings
 from hil.evaluation.metrics import canonical_metric, evaluate_run, measurable_metrics

@@ -16,7 +16,7 @@ import shutil
 import pytest
 import torch
 
-from hil.evaluation.cli import main as evaluate_main
+from hil.cli.evaluate_script import main as evaluate_main
 from hil.modeling.formats import ModelFormatError
 from hil.modeling.loading import load_encoder
 

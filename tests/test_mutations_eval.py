@@ -122,7 +122,7 @@ def test_model_evaluation_skips_self_matches_by_default(hf_tokenizer):
 
 
 def test_evaluate_command_skips_self_matches_unless_asked_and_passes_ncandidates():
-    from hil.evaluation.cli import build_parser, settings_from
+    from hil.cli.evaluate_script import build_parser, settings_from
 
     base = ["--model", "m", "--dataset", "d", "--mode", "full", "--quiet"]
     assert settings_from(build_parser().parse_args(base)).drop_self_matches is True

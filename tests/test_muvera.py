@@ -22,7 +22,7 @@ import scipy.linalg
 import torch
 
 from hil.data.beir import BeirDataset
-from hil.data.errors import UserError
+from hil.errors import UserError
 from hil.evaluation.evaluate import EvaluationSettings, evaluate
 from hil.isotropy.linear_transforms import MomentAccumulator
 from hil.retrieval.backends.configs import (FlatSearchConfig, MuveraIndexConfig, MuveraSearchConfig,

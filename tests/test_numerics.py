@@ -39,7 +39,9 @@ DEGENERATE_BATCHES = {
 
 def assert_finite_step(module, batch: tuple[list[str], list[str], list[str]]) -> tuple[float, dict]:
     module.zero_grad()
-    loss, parts = module.compute_loss(dict(zip(("queries", "positives", "negatives"), batch)))
+    queries, positives, negatives = batch
+    documents = [list(pair) for pair in zip(positives, negatives)]  # (B, 2)
+    loss, parts = module.compute_loss({"queries": queries, "documents": documents})
     loss.backward()
     assert torch.isfinite(loss), float(loss)
     for name, value in parts.items():
@@ -185,7 +187,7 @@ def test_bf16_autocast_scores_agree_with_fp32(shared_dir):
 
 @pytest.mark.integration
 def test_cli_trains_in_bf16_mixed_on_cpu(shared_dir, tmp_path):
-    from hil.cli import train_main
+    from hil.cli.train import train_main
 
     cli = train_main(["fit", "--config", str(REPO / "configs/colbert.yaml"), "--config",
                       str(REPO / "configs/presets/smoke.yaml"), "--trainer.default_root_dir", str(tmp_path),

@@ -20,7 +20,7 @@ from test_fuzz_loaders import BAD, BLANK, FUZZ, Expected, Line, blank_lines, che
 
 from hil.data import example_files, nway_files
 from hil.data.datamodule import EpochShuffleSampler
-from hil.data.errors import DataFormatError, MissingInputError, UserError
+from hil.errors import DataFormatError, MissingInputError, UserError
 from hil.data.example_sources import open_example_source
 from hil.data.examples import ExampleSource, ScoredExample
 from hil.data.nway_files import NWayFile, PyLateFile

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from hil.data.errors import UserError, check_output_path
+from hil.errors import UserError, check_output_path
 from hil.provenance import replace_directory
 
 
@@ -36,7 +36,7 @@ def test_replace_directory_never_moves_a_users_file(tmp_path):
 
 
 def test_fit_refuses_an_export_dir_that_is_a_file_before_training(shared_dir, tmp_path, capsys):
-    from hil.cli import train_main
+    from hil.cli.train import train_main
 
     mine = tmp_path / "mine.txt"
     mine.write_text("keep me")
@@ -50,7 +50,7 @@ def test_fit_refuses_an_export_dir_that_is_a_file_before_training(shared_dir, tm
 
 
 def test_hil_evaluate_refuses_an_output_that_is_a_file(shared_dir, tmp_path, capsys):
-    from hil.console import main as hil_main
+    from hil.cli.main import main as hil_main
 
     mine = tmp_path / "results.json"
     mine.write_text("{}")
@@ -61,13 +61,13 @@ def test_hil_evaluate_refuses_an_output_that_is_a_file(shared_dir, tmp_path, cap
 
 
 def test_teacher_refuses_an_output_that_is_a_folder_before_mining(tmp_path, capsys):
-    from hil.experiments import teacher
+    from hil.cli import teacher as teacher_cli
 
     (tmp_path / "out").mkdir()
     queries, collection = tmp_path / "q.tsv", tmp_path / "c.tsv"
     queries.write_text("1\tquery one\n")
     collection.write_text("10\tpassage ten\n")
-    assert teacher.main(["--queries", str(queries), "--collection", str(collection), "--output",
+    assert teacher_cli.main(["--queries", str(queries), "--collection", str(collection), "--output",
                          str(tmp_path / "out"), "--teacher", "no-such-teacher", "--quiet"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--output" in err[0] and "a folder is there" in err[0]
@@ -97,7 +97,7 @@ def test_a_misspelled_dataset_is_refused_at_once_with_the_close_names(shared_dir
 
 
 def test_ctrl_c_is_one_line_and_status_130(capsys, monkeypatch):
-    from hil.data.errors import DEBUG_ENV, exit_status
+    from hil.errors import DEBUG_ENV, exit_status
 
     def interrupted() -> int:
         raise KeyboardInterrupt
@@ -116,7 +116,7 @@ def test_every_example_of_hil_help_parses(shared_dir, capsys):
     options resolve (``--print_config``, exit 0), the training one included."""
     import re
 
-    import hil.console as console
+    import hil.cli.main as console
 
     examples = [line.split("#")[0].split() for line in console.__doc__.splitlines()
                 if re.match(r"\s+hil (fit|evaluate|index|search) ", line)]

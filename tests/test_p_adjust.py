@@ -306,10 +306,10 @@ def test_analysis_significance_table_shows_raw_and_adjusted(per_query):
 
 @pytest.mark.parametrize("command", ["evaluate", "beir", "paper", "analysis"])
 def test_every_command_with_several_comparisons_takes_p_adjust(command):
-    from hil.analysis.cli import build_parser as analysis_parser
-    from hil.evaluation.cli import build_parser as evaluate_parser
-    from hil.experiments.beir import build_parser as beir_parser
-    from hil.experiments.paper import build_parser as paper_parser
+    from hil.cli.analyze import build_parser as analysis_parser
+    from hil.cli.evaluate_script import build_parser as evaluate_parser
+    from hil.cli.beir import build_parser as beir_parser
+    from hil.cli.paper import build_parser as paper_parser
 
     parser, required = {"evaluate": (evaluate_parser, ["--model", "m", "--dataset", "d"]),
                         "beir": (beir_parser, ["--model", "m"]), "paper": (paper_parser, []),
@@ -317,7 +317,7 @@ def test_every_command_with_several_comparisons_takes_p_adjust(command):
     default = parser().parse_args(required).p_adjust
     assert default == ("holm" if command != "paper" else None)  # the paper's None keeps the profile's (holm)
     assert parser().parse_args([*required, "--p-adjust", "bh"]).p_adjust == "bh"
-    from hil.data.errors import UserError
+    from hil.errors import UserError
 
     with pytest.raises((SystemExit, UserError)) as refused:  # a UserError is printed as one line, exit 2
         parser().parse_args([*required, "--p-adjust", "bonferroni"])

@@ -15,8 +15,8 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.loggers import CSVLogger
 
-from hil.cli import train_main
-from hil.data.datamodule import TriplesDataModule
+from hil.cli.train import train_main
+from hil.data.datamodule import TrainingDataModule
 from hil.modeling.callbacks import ProgressLines, clock_text
 from hil.modeling.encoder import ColBERTEncoder
 from hil.modeling.module import RetrieverModule
@@ -44,7 +44,7 @@ def train(tmp_path: Path, *callbacks: ProgressLines) -> Path:
     pl.seed_everything(0)
     encoder = ColBERTEncoder(backbone="bert-tiny-splade", dim=16, query_maxlen=16, doc_maxlen=32)
     model = RetrieverModule(encoder, optimizer=partial(torch.optim.AdamW, lr=1e-4))
-    data = TriplesDataModule(triples="msmarco/triples.train.small.head1000.tsv", max_triples=BATCH * MAX_STEPS,
+    data = TrainingDataModule(triples="msmarco/triples.train.small.head1000.tsv", max_triples=BATCH * MAX_STEPS,
                              batch_size=BATCH, shuffle=False)
     logger = CSVLogger(tmp_path, name="csv")
     trainer = pl.Trainer(max_steps=MAX_STEPS, accelerator="cpu", logger=logger, log_every_n_steps=1,

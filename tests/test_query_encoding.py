@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("onnxruntime")
 
-from hil.data.errors import UserError
+from hil.errors import UserError
 from hil.evaluation.evaluate import EvaluationSettings
 from hil.evaluation.runner import DatasetSpec, Experiment, ModelSpec, StatisticsSettings, run_experiment
 from hil.modeling.contracts import EncodedBatch

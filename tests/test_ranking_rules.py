@@ -113,7 +113,7 @@ def write_beir(folder, data: BeirDataset):
 
 def test_evaluate_command_records_the_search_settings_it_used(hf_tokenizer, tmp_path):
     """The issue's scenario: nprobe 1, then nprobe 16 on the same --index-root."""
-    from hil.evaluation.cli import main
+    from hil.cli.evaluate_script import main
 
     export = encoder(hf_tokenizer).save_pretrained(tmp_path / "export")
     folder = write_beir(tmp_path / "beir", dataset())

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hil.data.errors import UserError
+from hil.errors import UserError
 from hil.experiments.readme_tables import (DISTILL_TABLE, DOCUMENTS, ENGINES_TABLE, MEASURED_HERE, PAPER_SUMMARY,
                                            README, RESULTS, SEEDS_TABLE, main,
                                            render_measured_here, render_paper_cpu_fidelity, rendered, table_blocks)

@@ -16,7 +16,7 @@ import pytorch_lightning as pl
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from hil.data.datamodule import EpochShuffleSampler, TriplesDataModule
+from hil.data.datamodule import EpochShuffleSampler, TrainingDataModule
 from hil.modeling.callbacks import StepReseed
 
 
@@ -91,7 +91,7 @@ def test_a_trainer_reads_a_new_order_of_the_same_triples_each_epoch(tmp_path):
     module = RecordQueries()
     trainer = pl.Trainer(max_epochs=3, accelerator="cpu", logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
-    trainer.fit(module, TriplesDataModule(triples=str(path), batch_size=4, seed=3))
+    trainer.fit(module, TrainingDataModule(triples=str(path), batch_size=4, seed=3))
     assert sorted(module.seen) == [0, 1, 2]
     for epoch, seen in module.seen.items():
         assert sorted(seen) == sorted(f"query {i}" for i in range(12)), epoch

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
-from hil.data.errors import UserError
+from hil.errors import UserError
 from hil.evaluation.evaluate import EvaluationSettings
 from hil.evaluation.runner import DatasetSpec, Experiment, ModelSpec, StatisticsSettings, run_experiment
 from hil.evaluation.seeds import VERDICTS, seed_comparison, seed_spread, seed_table, seed_verdict
@@ -175,7 +175,7 @@ def test_a_variant_trained_under_another_budget_is_trained_again(tmp_path, monke
 
 
 def test_seeds_option_is_checked(capsys):
-    from hil.experiments.paper import main
+    from hil.cli.paper import main
 
     for bad in ("1,x", "1,1", ","):
         assert main(["--profile", "smoke", "--seeds", bad, "--report-only", "--out", "/nonexistent"]) == 2

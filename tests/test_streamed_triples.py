@@ -23,9 +23,9 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from hil.data import line_index
 from hil.data.beir import iter_text_lines
-from hil.data.datamodule import EpochShuffleSampler, TripleDataset, TriplesDataModule, collate_triples
+from hil.data.datamodule import EpochShuffleSampler, TripleDataset, TrainingDataModule, collate_triples
 from hil.data.distinct import SeenHashes, iter_distinct
-from hil.data.errors import DataFormatError
+from hil.errors import DataFormatError
 from hil.data.id_texts import DENSE, HASHED, INTEGER, IdTextFile
 from hil.data.idf import IDFTable
 from hil.data.line_index import LineIndex
@@ -316,7 +316,7 @@ def streamed_loader(dataset, batch_size: int, seed: int, world: int, rank: int, 
 def test_streamed_batches_equal_the_in_memory_list(world):
     path = head_file()
     triples = read_triples(path, limit=301)
-    data = TriplesDataModule(triples=str(path), max_triples=301, batch_size=16, seed=11)
+    data = TrainingDataModule(triples=str(path), max_triples=301, batch_size=16, seed=11)
     data.setup("fit")
     assert isinstance(data.train_dataset, TriplesFile)
     for rank in range(world):
@@ -329,7 +329,7 @@ def test_streamed_batches_equal_the_in_memory_list(world):
 @pytest.mark.parametrize("world, stop_after", [(1, 3), (2, 2), (2, 9)])
 def test_exact_resume_from_a_streamed_file(world, stop_after):
     path = head_file()
-    data = TriplesDataModule(triples=str(path), max_triples=150, batch_size=8, seed=4)
+    data = TrainingDataModule(triples=str(path), max_triples=150, batch_size=8, seed=4)
     data.setup("fit")
     states = []
     for rank in range(world):
@@ -397,7 +397,7 @@ def test_streaming_idf_equals_the_in_memory_idf(tmp_path, hf_tokenizer, layout, 
     settings = ({"triples": str(tmp_path / "t.tsv")} if layout == "text" else
                 dict(zip(("id_triples", "queries", "collection"), map(str, id_layout(tmp_path, triples, "hashed")))))
     for limit in (None, 50):
-        data = TriplesDataModule(idf_source=source, idf_max_docs=limit, **settings)
+        data = TrainingDataModule(idf_source=source, idf_max_docs=limit, **settings)
         data.setup("fit")
         texts, label = data.idf_documents()
         wanted = (distinct_in_memory(x for t in triples for x in (t.positive, t.negative)) if source == "train"
@@ -413,11 +413,11 @@ def test_the_id_layout_counts_a_passage_repeated_under_two_pids_once(tmp_path):
     queries = write(tmp_path / "queries.tsv", "1\tcats\n2\tdogs\n")
     collection = write(tmp_path / "collection.tsv", "0\ta cat\n1\ta dog\n2\ta cat\n")
     triples = write(tmp_path / "triples.tsv", "1\t0\t1\n2\t2\t1\n1\t1\t0\n")
-    data = TriplesDataModule(id_triples=str(triples), queries=str(queries), collection=str(collection))
+    data = TrainingDataModule(id_triples=str(triples), queries=str(queries), collection=str(collection))
     data.setup("fit")
     assert list(data.train_dataset.iter_passages()) == ["a cat", "a dog", "a cat"]  # each pid once (bitmap)
     assert list(data.idf_documents()[0]) == ["a cat", "a dog"]  # each text once
-    data = TriplesDataModule(id_triples=str(triples), queries=str(queries), collection=str(collection),
+    data = TrainingDataModule(id_triples=str(triples), queries=str(queries), collection=str(collection),
                              idf_source="train_queries")
     data.setup("fit")
     assert list(data.idf_documents()[0]) == ["cats", "dogs"]
@@ -426,20 +426,20 @@ def test_the_id_layout_counts_a_passage_repeated_under_two_pids_once(tmp_path):
 # -- settings ---------------------------------------------------------------------------------------------------------
 def test_data_module_settings(tmp_path):
     with pytest.raises(ValueError, match="exactly one"):
-        TriplesDataModule(triples="a.tsv", id_triples="b.tsv", queries="q", collection="c")
+        TrainingDataModule(triples="a.tsv", id_triples="b.tsv", queries="q", collection="c")
     with pytest.raises(ValueError, match="go together"):
-        TriplesDataModule(id_triples="b.tsv", queries="q.tsv")
+        TrainingDataModule(id_triples="b.tsv", queries="q.tsv")
     gz = tmp_path / "t.tsv.gz"
     gz.write_bytes(gzip.compress("\n".join(ROWS).encode("utf-8")))
-    data = TriplesDataModule(triples=str(gz), max_triples=3)
+    data = TrainingDataModule(triples=str(gz), max_triples=3)
     data.setup("fit")
     assert isinstance(data.train_dataset, TripleDataset) and data.train_dataset.triples == read_triples(gz, limit=3)
     path = write(tmp_path / "t.tsv", "\n".join(ROWS))
-    data = TriplesDataModule(triples=str(path), cache_dir=str(tmp_path / "elsewhere"))
+    data = TrainingDataModule(triples=str(path), cache_dir=str(tmp_path / "elsewhere"))
     data.prepare_data()
     assert list((tmp_path / "elsewhere").glob("t.tsv.*.lines.npy"))
     with pytest.raises(ValueError, match="no training triples"):
-        TriplesDataModule(triples=str(path), max_triples=0).setup("fit")
+        TrainingDataModule(triples=str(path), max_triples=0).setup("fit")
 
 
 @pytest.mark.parametrize("size", [1, 17, 100_003, 3_000_000])

@@ -1,4 +1,4 @@
-"""``python -m hil.experiments.teacher``: the written scores are the teacher's, computed here by hand pair by pair
+"""``hil teacher``: the written scores are the teacher's, computed here by hand pair by pair
 (a random tiny cross-encoder built from the shared tiny BERT's config, a random tiny ColBERT, a random tiny dense
 encoder); the candidates are the miner's; the positive leads when asked; every format reads back through the
 training readers; bad options and files are one line and exit 2, with nothing written."""
@@ -17,6 +17,7 @@ from hil.data.nway_files import NWayFile
 from hil.data.pylate_files import open_pylate
 from hil.data.run_examples import RunExamples, RunSettings
 from hil.experiments import teacher
+from hil.cli import teacher as teacher_cli
 
 QUERIES = {"q1": "which animals eat fish", "q2": "fast animals that run", "q3": "animals near ocean tides"}
 DOCS = {"d1": "cats are animals that eat fish and mice", "d2": "dogs are fast animals and run in parks",
@@ -49,7 +50,7 @@ def cross_encoder(tmp_path, tiny_model_dir, hf_tokenizer) -> Path:
 
 
 def run_teacher(texts: dict[str, Path], output: Path, *extra: str) -> int:
-    return teacher.main(["--queries", str(texts["queries"]), "--collection", str(texts["collection"]),
+    return teacher_cli.main(["--queries", str(texts["queries"]), "--collection", str(texts["collection"]),
                          "--output", str(output), "--quiet", "--device", "cpu", *extra])
 
 
@@ -170,7 +171,7 @@ def test_beir_dataset_writes_its_texts(tmp_path, cross_encoder):
                                                   for k, v in {**QUERIES, "d4": "animals eat"}.items()))
     (folder / "qrels" / "train.tsv").write_text("query-id\tcorpus-id\tscore\nq1\td1\t1\nq2\td2\t1\nd4\td1\t1\n")
     output = tmp_path / "beir.jsonl"
-    assert teacher.main(["--dataset", str(folder), "--teacher", str(cross_encoder), "--output", str(output),
+    assert teacher_cli.main(["--dataset", str(folder), "--teacher", str(cross_encoder), "--output", str(output),
                          "--depth", "5", "--nway", "3", "--quiet", "--device", "cpu"]) == 0
     lines = written(output)
     assert set(lines) == {"q1", "q2", "d4"} and "d4" not in [pid for pid, _ in lines["d4"]]  # no self match
@@ -189,7 +190,7 @@ def test_beir_dataset_writes_its_texts(tmp_path, cross_encoder):
     (["--positives", "first"], "--positives first needs judgments"),
     (["--dataset", "scifact"], "give --dataset, or --queries with --collection"),
     (["--device", "tpu"], "--device: device 'tpu'"),
-    (["--teacher-kind", "magic"], "argument --teacher-kind: invalid choice"),
+    (["--teacher-kind", "magic"], "--teacher-kind: invalid choice"),
 ])
 def test_option_errors_are_one_line(tmp_path, texts, cross_encoder, capsys, options, message):
     output = tmp_path / "x.jsonl"
@@ -210,9 +211,9 @@ def test_bad_files_and_models_are_one_line(tmp_path, texts, cross_encoder, tiny_
     err = capsys.readouterr().err
     assert f"{texts['queries']}:2:" in err and err.count("\n") == 1
     texts["queries"].write_text("q1\tanimals\n", encoding="utf-8")
-    assert teacher.main(["--dataset", "scifact", "--collection", "c.tsv", "--teacher", "t", "--output", "o"]) == 2
+    assert teacher_cli.main(["--dataset", "scifact", "--collection", "c.tsv", "--teacher", "t", "--output", "o"]) == 2
     assert "--dataset brings its corpus and qrels" in capsys.readouterr().err
-    assert teacher.main(["--queries", "q.tsv", "--teacher", "t", "--output", "o"]) == 2
+    assert teacher_cli.main(["--queries", "q.tsv", "--teacher", "t", "--output", "o"]) == 2
     assert "--queries needs --collection" in capsys.readouterr().err
     assert run_teacher(texts, output, "--teacher", str(tiny_model_dir), "--nway", "2") == 2  # auto: a bare backbone
     assert "--teacher-kind dense or cross-encoder" in capsys.readouterr().err
@@ -266,7 +267,7 @@ def test_progress_is_reported_and_changes_no_score(tmp_path, texts, cross_encode
     assert run_teacher(texts, quiet, "--teacher", str(cross_encoder), "--depth", "5", "--nway", "4") == 0
     capsys.readouterr()
     monkeypatch.setattr(module, "SCORE_CHUNK", 1)
-    assert module.main(["--queries", str(texts["queries"]), "--collection", str(texts["collection"]),
+    assert teacher_cli.main(["--queries", str(texts["queries"]), "--collection", str(texts["collection"]),
                         "--output", str(loud), "--device", "cpu", "--teacher", str(cross_encoder), "--depth", "5",
                         "--nway", "4"]) == 0
     err = capsys.readouterr().err
@@ -314,7 +315,7 @@ def test_a_beir_query_that_is_a_document_keeps_depth_candidates_besides_itself(t
     (folder / "queries.jsonl").write_text("".join(json.dumps({"_id": k, "text": v}) + "\n" for k, v in queries.items()))
     (folder / "qrels" / "train.tsv").write_text("query-id\tcorpus-id\tscore\nq1\td1\t1\nd4\td1\t1\n")
     output = tmp_path / "beir.jsonl"
-    assert teacher.main(["--dataset", str(folder), "--teacher", str(cross_encoder), "--output", str(output),
+    assert teacher_cli.main(["--dataset", str(folder), "--teacher", str(cross_encoder), "--output", str(output),
                          "--depth", "5", "--nway", "5", "--quiet", "--device", "cpu"]) == 0
     lines = written(output)
     bm25 = dict(zip(queries, BM25Index.build(list(DOCS), list(DOCS.values())).search(list(queries.values()), 6)))
@@ -334,7 +335,7 @@ def test_teacher_output_alone_trains_from_what_the_teacher_wrote(tmp_path, texts
     """``data.teacher_output`` alone: the layout, texts and nway come from the ``.meta.json``; the examples are the
     ones the format's own reader gives with every setting spelled out (from another folder than the teacher ran
     in: written paths are taken beside the examples)."""
-    from hil.data.datamodule import TriplesDataModule
+    from hil.data.datamodule import TrainingDataModule
 
     output = tmp_path / "out" / f"examples.{'trec' if fmt == 'trec' else 'jsonl'}"
     assert run_teacher(texts, output, "--teacher", str(cross_encoder), "--depth", "5", "--nway", "4",
@@ -342,7 +343,7 @@ def test_teacher_output_alone_trains_from_what_the_teacher_wrote(tmp_path, texts
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
-    module = TriplesDataModule(teacher_output=str(output), batch_size=2)
+    module = TrainingDataModule(teacher_output=str(output), batch_size=2)
     module.setup("fit")
     reader = {"colbert": NWayFile, "pylate": open_pylate,
               "trec": lambda *paths: RunExamples(*paths, RunSettings(4))}[fmt]
@@ -350,13 +351,13 @@ def test_teacher_output_alone_trains_from_what_the_teacher_wrote(tmp_path, texts
     assert _examples(module.train_dataset) == _examples(explicit) and len(explicit) == 3
     assert module.source_kind == {"colbert": "nway_examples", "pylate": "pylate", "trec": "run"}[fmt]
     assert module.hparams.nway == 4 and module.hparams.teacher_output == str(output)
-    lower = TriplesDataModule(teacher_output=str(output), nway=2)  # fewer documents per query than written
+    lower = TrainingDataModule(teacher_output=str(output), nway=2)  # fewer documents per query than written
     lower.setup("fit")
     assert all(len(example.documents) == 2 for example in _examples(lower.train_dataset))
 
 
 def test_teacher_output_of_a_beir_set_reads_the_texts_written_beside_it(tmp_path, cross_encoder, monkeypatch):
-    from hil.data.datamodule import TriplesDataModule
+    from hil.data.datamodule import TrainingDataModule
 
     folder = tmp_path / "mini"
     (folder / "qrels").mkdir(parents=True)
@@ -365,11 +366,11 @@ def test_teacher_output_of_a_beir_set_reads_the_texts_written_beside_it(tmp_path
     (folder / "queries.jsonl").write_text("".join(json.dumps({"_id": k, "text": v}) + "\n" for k, v in QUERIES.items()))
     (folder / "qrels" / "train.tsv").write_text("query-id\tcorpus-id\tscore\nq1\td1\t1\n")
     monkeypatch.chdir(tmp_path)
-    assert teacher.main(["--dataset", str(folder), "--teacher", str(cross_encoder), "--output", "made/ex.jsonl",
+    assert teacher_cli.main(["--dataset", str(folder), "--teacher", str(cross_encoder), "--output", "made/ex.jsonl",
                          "--depth", "5", "--nway", "3", "--quiet", "--device", "cpu"]) == 0
     (tmp_path / "later").mkdir()
     monkeypatch.chdir(tmp_path / "later")  # the meta's relative paths name files beside the examples
-    module = TriplesDataModule(teacher_output=str(tmp_path / "made" / "ex.jsonl"))
+    module = TrainingDataModule(teacher_output=str(tmp_path / "made" / "ex.jsonl"))
     module.setup("fit")
     made = tmp_path / "made"
     explicit = NWayFile(made / "ex.jsonl", made / "ex.queries.tsv", made / "ex.collection.tsv")
@@ -377,30 +378,30 @@ def test_teacher_output_of_a_beir_set_reads_the_texts_written_beside_it(tmp_path
 
 
 def test_teacher_output_refusals_name_the_setting(tmp_path, texts, cross_encoder):
-    from hil.data.datamodule import TriplesDataModule
-    from hil.data.errors import UserError
+    from hil.data.datamodule import TrainingDataModule
+    from hil.errors import UserError
 
     output = tmp_path / "ex.jsonl"
     assert run_teacher(texts, output, "--teacher", str(cross_encoder), "--depth", "5", "--nway", "3") == 0
     with pytest.raises(ValueError, match="data.nway 4 is more than the 3"):
-        TriplesDataModule(teacher_output=str(output), nway=4)
+        TrainingDataModule(teacher_output=str(output), nway=4)
     with pytest.raises(ValueError, match="give neither"):
-        TriplesDataModule(teacher_output=str(output), queries=str(texts["queries"]))
+        TrainingDataModule(teacher_output=str(output), queries=str(texts["queries"]))
     with pytest.raises(ValueError, match=r"data.triples: null"):
-        TriplesDataModule(triples="x.tsv", teacher_output=str(output))
+        TrainingDataModule(triples="x.tsv", teacher_output=str(output))
     (tmp_path / "plain.jsonl").write_text(output.read_text())
     with pytest.raises(UserError, match=r"plain.jsonl.meta.json not found: not written by `hil teacher`"):
-        TriplesDataModule(teacher_output=str(tmp_path / "plain.jsonl"))
+        TrainingDataModule(teacher_output=str(tmp_path / "plain.jsonl"))
     output.with_name("ex.jsonl.meta.json").write_text("{\"settings\": {}}")
     with pytest.raises(UserError, match="not a `hil teacher` record"):
-        TriplesDataModule(teacher_output=str(output))
+        TrainingDataModule(teacher_output=str(output))
 
 
 @pytest.mark.integration
 def test_hil_fit_trains_from_teacher_output_alone(tmp_path, texts, cross_encoder, shared_dir):
     """The command line a user runs (LightningCLI hands the data module its arguments as given): a distillation
     variant with ``--data.teacher_output`` trains, and the data module records what the .meta.json resolved."""
-    from hil.cli import train_main
+    from hil.cli.train import train_main
 
     output = tmp_path / "ex.jsonl"
     assert run_teacher(texts, output, "--teacher", str(cross_encoder), "--depth", "5", "--nway", "3") == 0

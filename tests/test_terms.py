@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from conftest import random_bert
 
-from hil.data.errors import UserError
+from hil.errors import UserError
 from hil.isotropy.metrics import inter_iso, isoscore_star, masked_tokens
 from hil.isotropy.regularizers import (ConditionalIsotropyRegularizer, CosRegRegularizer, InterIsoRegularizer,
                                        IStarRegularizer, cosreg, mean_token_dot)
@@ -412,16 +412,18 @@ def test_terms_that_do_not_fit_are_refused_before_training(colbert, hil_encoder)
 
 
 def test_the_module_reads_nway_string_batches_with_teacher_scores(colbert):
-    """The data module's batch of strings: positives = column 0, negatives column by column, scores (B, N)."""
+    """The data module's batch of strings: documents (B, N), each query's row; scores (B, N)."""
     module = RetrieverModule(colbert, KLDistillation())
-    strings = {"queries": QUERIES, "positives": DOCS[0], "negatives": DOCS[1] + DOCS[2],
+    strings = {"queries": QUERIES, "documents": [list(row) for row in zip(*DOCS[:3])],
                "teacher_scores": torch.tensor(TEACHER)}
     with torch.no_grad():
         loss, parts = module.compute_loss(strings)
         expected = KLDistillation()(colbert, nway(colbert, 3, teacher=True)).loss
     assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
-    with pytest.raises(ValueError, match="multiple of B negatives"):
-        module.compute_loss({**strings, "negatives": DOCS[1][:2]})
+    with pytest.raises(ValueError, match="N documents for each query"):
+        module.compute_loss({**strings, "documents": [*strings["documents"][:2], DOCS[0][2:3]]})
+    with pytest.raises(ValueError, match="documents for 2"):
+        module.compute_loss({**strings, "documents": strings["documents"][:2]})
 
 
 # -- distillation works -------------------------------------------------------------------------------------------
@@ -440,13 +442,14 @@ def test_distillation_drives_the_student_ranking_to_the_teachers(shared_dir, one
     queries = [t.query for t in triples[:4]]
     pool = list(dict.fromkeys(text for t in triples for text in (t.positive, t.negative)))
     n = 8
-    documents = [pool[(j * 4 + i) * 3 % len(pool)] for j in range(n) for i in range(4)]  # column by column
+    rows = [[pool[(j * 4 + i) * 3 % len(pool)] for j in range(n)] for i in range(4)]  # (B, N)
+    documents = [row[j] for j in range(n) for row in rows]  # column by column
     teacher = torch.randn(4, n, generator=torch.Generator().manual_seed(3)) * 3
     torch.manual_seed(0)
     encoder = ColBERTEncoder("bert-tiny-splade", dim=32, query_maxlen=16, doc_maxlen=48)
     module = RetrieverModule(encoder, KLDistillation(), optimizer=partial(torch.optim.AdamW, lr=3e-3))
     optimizer = module.configure_optimizers()["optimizer"]
-    strings = {"queries": queries, "positives": documents[:4], "negatives": documents[4:], "teacher_scores": teacher}
+    strings = {"queries": queries, "documents": rows, "teacher_scores": teacher}
 
     def correlations() -> list[float]:
         encoder.eval()

@@ -296,7 +296,7 @@ def test_evaluation_settings_pass_tokenizer_workers_to_the_build(tiny_model_dir,
     """EvaluationSettings(tokenizer_workers=N) reaches build_index (and the index is the 0-worker one); a negative
     count is refused."""
     from hil.data.beir import load_beir
-    from hil.data.errors import UserError
+    from hil.errors import UserError
     from hil.evaluation import evaluate as evaluation
     from hil.evaluation.evaluate import EvaluationSettings, document_store
     from hil.modeling.loading import load_encoder

@@ -11,8 +11,8 @@ import torch
 
 from nway_examples import write_nway_examples
 
-from hil.cli import train_main
-from hil.data.datamodule import TriplesDataModule
+from hil.cli.train import train_main
+from hil.data.datamodule import TrainingDataModule
 from hil.modeling.encoder import ColBERTEncoder
 from hil.modeling.loading import load_encoder
 from hil.modeling.module import RetrieverModule
@@ -49,7 +49,7 @@ def test_cli_fit_runs_and_exports(shared_dir, tmp_path):
 def test_loss_goes_down_when_overfitting(shared_dir, tmp_path):
     pl.seed_everything(0)
     model = colbert_module(lr=1e-3, dim=32, query_maxlen=16, doc_maxlen=48)
-    data = TriplesDataModule(triples=TRIPLES, max_triples=8, batch_size=8, shuffle=False)
+    data = TrainingDataModule(triples=TRIPLES, max_triples=8, batch_size=8, shuffle=False)
     losses: list[float] = []
 
     class Record(pl.Callback):
@@ -112,7 +112,7 @@ def test_init_from_checkpoint_and_export(shared_dir, tmp_path):
 
 def test_collate_lays_out_triples_as_before_and_examples_column_by_column():
     from hil.data.datamodule import collate_examples, collate_triples
-    from hil.data.errors import UserError
+    from hil.errors import UserError
     from hil.data.examples import ScoredExample
     from hil.data.triples import Triple
 
@@ -123,8 +123,7 @@ def test_collate_lays_out_triples_as_before_and_examples_column_by_column():
     examples = [ScoredExample("q1", ("a1", "b1", "c1"), (3.0, 1.0, 2.0)),
                 ScoredExample("q2", ("a2", "b2", "c2"), (0.5, 0.0, -1.0))]
     batch = collate_examples(examples)
-    assert batch["queries"] == ["q1", "q2"] and batch["positives"] == ["a1", "a2"]
-    assert batch["negatives"] == ["b1", "b2", "c1", "c2"]  # document j of query i at (j - 1) B + i
+    assert batch["queries"] == ["q1", "q2"] and batch["documents"] == [["a1", "b1", "c1"], ["a2", "b2", "c2"]]
     assert batch["teacher_scores"].tolist() == [[3.0, 1.0, 2.0], [0.5, 0.0, -1.0]]
     with pytest.raises(UserError, match="data.nway"):
         collate_examples([examples[0], ScoredExample("q3", ("a", "b"), (1.0, 0.0))])
@@ -134,22 +133,22 @@ def test_collate_lays_out_triples_as_before_and_examples_column_by_column():
 
 def test_data_module_nway_settings_are_checked():
     with pytest.raises(ValueError, match="exactly one"):
-        TriplesDataModule(triples=TRIPLES, nway_examples="e.jsonl", queries="q", collection="c")
+        TrainingDataModule(triples=TRIPLES, nway_examples="e.jsonl", queries="q", collection="c")
     with pytest.raises(ValueError, match="go together"):
-        TriplesDataModule(nway_examples="e.jsonl", queries="q.tsv")
+        TrainingDataModule(nway_examples="e.jsonl", queries="q.tsv")
     with pytest.raises(ValueError, match="go together"):
-        TriplesDataModule(triples=TRIPLES, queries="q.tsv", collection="c.tsv")
+        TrainingDataModule(triples=TRIPLES, queries="q.tsv", collection="c.tsv")
     with pytest.raises(ValueError, match="data.nway"):
-        TriplesDataModule(triples=TRIPLES, nway=4)
+        TrainingDataModule(triples=TRIPLES, nway=4)
 
 
 def test_distillation_needs_teacher_scores_before_training_starts(shared_dir, tmp_path):
-    from hil.data.errors import UserError
+    from hil.errors import UserError
     from hil.modeling.losses import KLDistillation
 
     module = RetrieverModule(ColBERTEncoder(backbone="bert-tiny-splade", dim=16, query_maxlen=16, doc_maxlen=32),
                              KLDistillation())
-    data = TriplesDataModule(triples=TRIPLES, max_triples=4, batch_size=2)
+    data = TrainingDataModule(triples=TRIPLES, max_triples=4, batch_size=2)
     trainer = pl.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
     with pytest.raises(UserError, match="KLDistillation needs teacher scores.*data.triples"):
@@ -164,12 +163,12 @@ def test_an_nway_file_trains_with_its_teacher_scores(shared_dir, tmp_path):
     args = write_nway_examples(tmp_path, n_queries=6, nway=3)
     settings = dict(zip([a.removeprefix("--data.") for a in args[0::2]], args[1::2]))
     settings.pop("triples")
-    data = TriplesDataModule(**{**settings, "nway": 3}, batch_size=3, shuffle=False)
+    data = TrainingDataModule(**{**settings, "nway": 3}, batch_size=3, shuffle=False)
     data.prepare_data()
     data.setup("fit")
     assert data.has_teacher_scores() and "nway_examples=" in data.describe_source()
     first = next(iter(data.train_dataloader()))
-    assert len(first["queries"]) == 3 and len(first["negatives"]) == 6
+    assert len(first["queries"]) == 3 and [len(documents) for documents in first["documents"]] == [3, 3, 3]
     assert first["teacher_scores"].tolist()[0] == [9.0, 2.0, 1.0]
     seen: list[float] = []
 
@@ -187,12 +186,12 @@ def test_an_nway_file_trains_with_its_teacher_scores(shared_dir, tmp_path):
 
 
 def test_an_nway_file_without_scores_trains_contrastively_and_refuses_distillation(shared_dir, tmp_path):
-    from hil.data.errors import UserError
+    from hil.errors import UserError
     from hil.modeling.losses import KLDistillation, NWayCE
 
     args = write_nway_examples(tmp_path, n_queries=4, nway=3, scored=False)
     settings = {a.removeprefix("--data."): v for a, v in zip(args[0::2], args[1::2]) if a != "--data.triples"}
-    data = TriplesDataModule(**{**settings, "nway": 3}, batch_size=2, shuffle=False)
+    data = TrainingDataModule(**{**settings, "nway": 3}, batch_size=2, shuffle=False)
     data.setup("fit")
     assert not data.has_teacher_scores()
     assert "teacher_scores" not in next(iter(data.train_dataloader()))
@@ -218,7 +217,7 @@ def test_an_nway_file_resumes_exactly_where_it_stopped(shared_dir, tmp_path):
     settings["nway"] = int(settings["nway"])
 
     def loader():
-        data = TriplesDataModule(**settings, batch_size=2, seed=5)
+        data = TrainingDataModule(**settings, batch_size=2, seed=5)
         data.setup("fit")
         return data.train_dataloader()
 
@@ -256,7 +255,7 @@ def test_a_teacher_run_and_pylate_examples_load_through_the_data_module(shared_d
     for source in ({"nway_examples": settings["nway_examples"], "nway": 3},
                    {"run": str(tmp_path / "run.trec"), "nway": 3, "run_depth": 3},
                    {"pylate": str(tmp_path / "pylate.jsonl"), "nway": 3}):
-        data = TriplesDataModule(**source, **common)
+        data = TrainingDataModule(**source, **common)
         data.prepare_data()
         data.setup("fit")
         batch = next(iter(data.train_dataloader()))

@@ -21,7 +21,7 @@ import pytorch_lightning as pl
 import torch
 from conftest import random_bert
 
-from hil.data.datamodule import TriplesDataModule
+from hil.data.datamodule import TrainingDataModule
 from hil.isotropy.regularizers import CosRegRegularizer, InterIsoRegularizer
 from hil.modeling.contracts import EncodedBatch
 from hil.modeling.encoder import ColBERTEncoder
@@ -155,7 +155,7 @@ def test_overfitting_a_handful_of_triples_prefers_every_positive(shared_dir, tmp
     else:
         encoder, loss = HILEncoder("bert-tiny-splade", **settings), HILLoss()
     module = RetrieverModule(encoder, loss, optimizer=partial(torch.optim.AdamW, lr=1e-3))
-    data = TriplesDataModule(triples=TRIPLES, max_triples=6, batch_size=6, shuffle=False)
+    data = TrainingDataModule(triples=TRIPLES, max_triples=6, batch_size=6, shuffle=False)
     data.setup("fit")
     triples = data.train_dataset.triples
     trainer = pl.Trainer(max_steps=20, accelerator="cpu", logger=False, enable_checkpointing=False,
@@ -238,7 +238,7 @@ def test_hil_loss_equals_a_hand_written_reference(hil_encoder, training):
 def test_module_loss_is_late_plus_lambda_times_an_independent_regularizer(colbert, regularizer, form):
     module = RetrieverModule(colbert, PairwiseCE(), regularizer)
     module.eval()  # no dropout: the encoding below is the module's
-    batch = {"queries": QUERIES, "positives": POSITIVES, "negatives": NEGATIVES}
+    batch = {"queries": QUERIES, "documents": [list(pair) for pair in zip(POSITIVES, NEGATIVES)]}
     loss, parts = module.compute_loss(batch)
     triples = encode(colbert)
     positive, negative, iso = slow_colbert_parts(triples)

@@ -229,7 +229,7 @@ def test_evaluate_transformed_runs_and_differs(tiny_colbert, scifact, index_root
 
 @pytest.mark.integration
 def test_evaluate_cli_with_transform(scifact, index_root, tmp_path, shared_dir):
-    from hil.evaluation.cli import main
+    from hil.cli.evaluate_script import main
 
     out = tmp_path / "results"
     assert main(["--model", "bert-tiny-splade", "--dataset", "scifact", "--max-queries", "10", "--max-docs", "200",

@@ -57,8 +57,7 @@ def run(config: BenchConfig, job: Job) -> dict[str, Any]:
     batches = [triples[i: i + settings.batch] for i in range(0, len(triples), settings.batch)]
     times = []
     for step, chunk in enumerate(batches):
-        batch = {"queries": [t.query for t in chunk], "positives": [t.positive for t in chunk],
-                 "negatives": [t.negative for t in chunk]}
+        batch = {"queries": [t.query for t in chunk], "documents": [[t.positive, t.negative] for t in chunk]}
         tick = time.perf_counter()
         loss, _ = module.compute_loss(batch)
         loss.backward()

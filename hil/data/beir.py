@@ -11,7 +11,7 @@ Layout on disk (the official BEIR zips)::
 :func:`hil.paths.resolve_dataset` (a path, or ``$HIL_DATA_DIR/beir/<name>`` / ``$HIL_DATA_DIR/<name>``); when there is
 no local folder the Hugging Face hub copies ``BeIR/<name>`` and ``BeIR/<name>-qrels`` are tried (online machines
 only). ``irds:<id>`` is read through ir_datasets (:mod:`hil.data.irds`) into the same :class:`BeirDataset`. A folder,
-split or dataset that cannot be found is a :class:`~hil.data.errors.MissingInputError` naming it.
+split or dataset that cannot be found is a :class:`~hil.errors.MissingInputError` naming it.
 
 * Only queries judged in the split are kept (BEIR convention); their judgments with score 0 stay in ``qrels``.
 * Judgments of documents outside the corpus (some official BEIR qrels; many in a re-ranking set like TREC DL 2019)
@@ -34,7 +34,7 @@ from typing import Iterable, Iterator, Mapping
 from hil.data.beir_files import (OutsideCorpus, QrelsBuilder, check_options, checked_id, iter_text_lines,
                                  load_collection_tsv, load_topics_tsv, load_trec_qrels, parse_score, read_corpus_jsonl,
                                  read_qrels_tsv, read_queries_jsonl, records_to_corpus, records_to_queries)
-from hil.data.errors import DataFormatError, MissingInputError
+from hil.errors import DataFormatError, MissingInputError
 from hil.data.irds import check_split, is_irds_name, read_irds
 from hil.paths import DATA_DIR_ENV, resolve_dataset
 from hil.provenance import fingerprint_strings
@@ -226,7 +226,7 @@ def load_beir(name_or_path: str | os.PathLike, split: str = "test", data_dir: st
     a hub name (``scifact`` or ``BeIR/scifact``), or ``irds:<id>`` (``irds:beir/scifact/test``: read through
     ir_datasets when it is installed, :mod:`hil.data.irds`; the id names the split). Bad files raise
     :class:`DataFormatError` naming file and line; a missing file or an unreachable dataset raises
-    :class:`~hil.data.errors.MissingInputError` (a ``FileNotFoundError``). ``judged_outside_corpus``,
+    :class:`~hil.errors.MissingInputError` (a ``FileNotFoundError``). ``judged_outside_corpus``,
     ``relevance_level``: see the module docstring (TREC DL, ``msmarco/dl19``: ``"keep"`` and 2); ``None`` (the
     default) is the dataset's own: 1 for a folder or the hub, the official measures' level for ``irds:``.
     """

@@ -32,7 +32,7 @@ import zlib
 from pathlib import Path
 from typing import IO, Any, Callable, Iterable, Iterator, Literal, Mapping, TypeVar
 
-from hil.data.errors import DataFormatError, MissingInputError, UserError
+from hil.errors import DataFormatError, MissingInputError, UserError
 
 V = TypeVar("V")
 OutsideCorpus = Literal["error", "keep"]
@@ -104,6 +104,10 @@ def _iter_json_objects(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
 
 
 def checked_id(path: Path, line: int | None, value: Any, name: str = "_id") -> str:
+    """An id as read from any data file (JSON, TSV, TREC, ir_datasets), the one check of them all: a string or an
+    integer (``7`` -> ``"7"``), non-empty, without whitespace (it must fit a run or qrels line) and without unpaired
+    surrogates; else a :class:`DataFormatError` naming ``path``, ``line`` and the field ``name``. Not stripped
+    here: readers of ``id TAB text`` lines strip the id first (as MS MARCO's files are read)."""
     if isinstance(value, bool) or value is None or not isinstance(value, (str, int)):
         shown = "missing" if value is None else f"a {type(value).__name__}"
         raise DataFormatError(path, line, f"field {name!r} must be a string (or integer), got {shown}")

@@ -5,21 +5,22 @@ by memory; only BM25-mined triples (small) and ``.gz`` files are held as a list.
 TREC run with teacher scores, PyLate's layout) are read by byte offset too
 (:func:`hil.data.example_sources.open_example_source`).
 
-A batch of B examples of N documents each (:func:`collate_examples`) is a dict of strings:
-    queries    (B)          the queries
-    positives  (B)          each query's first document (its positive; for examples graded by a teacher simply the
-                            first)
-    negatives  ((N - 1) B)  the other documents *column by column*: document 1 of every query, then document 2...
-    teacher_scores          a float tensor (B, N), only when the examples carry teacher scores
-For triples (N = 2, no scores) that is exactly the ``{queries, positives, negatives}`` of ColBERT v1 training
-(:func:`collate_triples`), and ``positives + negatives`` is the document layout of
-``hil.modeling.batch.RankingBatch`` (document j of query i at j B + i).
+A batch of B examples of N documents each (:func:`collate_examples`) is a dict:
+    queries         (B)     the queries (strings)
+    documents       (B, N)  a list of B lists: each query's N documents (strings) in its example's order -- the
+                            positive first (for examples graded by a teacher simply the first); a triple's are
+                            ``[positive, negative]`` (:func:`collate_triples`)
+    teacher_scores  (B, N)  a float tensor, only when the examples carry teacher scores: ``teacher_scores[i, j]``
+                            grades ``documents[i][j]``
+The documents are one (B, N) field, the shape of the teacher scores, and are laid out for the encoder in one
+place only: :func:`column_by_column` gives the (N B) list of ``hil.modeling.batch.RankingBatch``'s layout
+(document j of query i at j B + i; for triples, the positives then the negatives of ColBERT v1 training).
 
 Training tokenizes in the loader: ``RetrieverModule`` hands the data module its encoder's tokenizer at setup
-(:meth:`TriplesDataModule.tokenize_with`; the data layer never picks a tokenizer itself, so a checkpoint always
+(:meth:`TrainingDataModule.tokenize_with`; the data layer never picks a tokenizer itself, so a checkpoint always
 tokenizes the way it was trained), and each batch of strings then also carries ``tokenized``
 (:class:`TokenizedCollate`): ``{"queries": (B, Lq), "documents": (N B, Ld)}`` as
-:class:`~hil.data.tokenization.TokenizedBatch`, the documents ``positives + negatives`` -- the very tensors the
+:class:`~hil.data.tokenization.TokenizedBatch`, the documents tokenized column by column -- the very tensors the
 module would build from the strings. With ``num_workers`` > 0 the loader's workers tokenize ahead of the training
 step; on a GPU the batches are pinned and copied to the device asynchronously.
 """
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Sequence
 
 import pytorch_lightning as pl
 import torch
@@ -36,7 +37,7 @@ from torch.utils.data import Dataset, DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from hil.data.distinct import StreamedTexts, iter_distinct
-from hil.data.errors import UserError
+from hil.errors import UserError
 from hil.data.examples import ExampleSource, ScoredExample
 from hil.data.tokenization import ColBERTTokenizer
 from hil.data.triples import Triple, iter_triples, mine_bm25_triples, read_triples
@@ -73,9 +74,20 @@ TrainingTriples = TripleDataset | TriplesFile | IdTriplesFile | ExampleSource
 EXAMPLE_SOURCES = ("nway_examples", "run", "pylate")  # the keys of data sources read by open_example_source
 
 
-def collate_triples(triples: list[Triple]) -> dict[str, list[str]]:
-    return {"queries": [t.query for t in triples], "positives": [t.positive for t in triples],
-            "negatives": [t.negative for t in triples]}
+def collate_triples(triples: list[Triple]) -> dict[str, list[Any]]:
+    """B triples as a batch of strings: ``queries`` (B) and ``documents`` (B, 2), each ``[positive, negative]``."""
+    return {"queries": [t.query for t in triples], "documents": [[t.positive, t.negative] for t in triples]}
+
+
+def column_by_column(documents: Sequence[Sequence[str]]) -> list[str]:
+    """B queries' N documents each, (B, N), as the (N B) list the encoder takes: document 0 of every query, then
+    document 1 of every query, ... -- document j of query i at j B + i (``hil.modeling.batch.RankingBatch``'s
+    layout; for triples the positives, then the negatives)."""
+    n = len(documents[0]) if documents else 0
+    if any(len(docs) != n for docs in documents):
+        raise ValueError(f"a training batch has N documents for each query; got "
+                         f"{sorted({len(docs) for docs in documents})}")
+    return [docs[j] for j in range(n) for docs in documents]
 
 
 def _documents(item: Triple | ScoredExample) -> tuple[tuple[str, ...], tuple[float, ...] | None]:
@@ -84,7 +96,7 @@ def _documents(item: Triple | ScoredExample) -> tuple[tuple[str, ...], tuple[flo
     return item.documents, item.scores
 
 
-def collate_examples(items: list[Triple | ScoredExample]) -> dict[str, list[str] | torch.Tensor]:
+def collate_examples(items: list[Triple | ScoredExample]) -> dict[str, list[Any] | torch.Tensor]:
     """B triples or examples as one batch of strings (the layout of the module docstring). Every example of a batch
     has the same N (the readers cut each to ``data.nway``), and all or none carry teacher scores."""
     documents, scores = zip(*(_documents(item) for item in items))
@@ -94,9 +106,8 @@ def collate_examples(items: list[Triple | ScoredExample]) -> dict[str, list[str]
                         f"set data.nway so that every example has the same number")
     if len({s is None for s in scores}) > 1:
         raise UserError("a training batch mixes examples with and without teacher scores")
-    batch: dict[str, list[str] | torch.Tensor] = {
-        "queries": [item.query for item in items], "positives": [docs[0] for docs in documents],
-        "negatives": [docs[j] for j in range(1, n) for docs in documents]}
+    batch: dict[str, list[Any] | torch.Tensor] = {
+        "queries": [item.query for item in items], "documents": [list(docs) for docs in documents]}
     if scores[0] is not None:
         batch["teacher_scores"] = torch.tensor(scores, dtype=torch.float32)  # (B, N)
     return batch
@@ -104,7 +115,7 @@ def collate_examples(items: list[Triple | ScoredExample]) -> dict[str, list[str]
 
 class TokenizedCollate:
     """:func:`collate_examples`, plus ``"tokenized": {"queries": TokenizedBatch (B, Lq), "documents": TokenizedBatch
-    (N B, Ld)}`` of the same texts, the documents ``positives + negatives`` tokenized together (padded to the longest
+    (N B, Ld)}`` of the same texts, the documents tokenized together :func:`column_by_column` (padded to the longest
     of all N B, as training always did). Runs in the loader's workers (it pickles with its tokenizer)."""
 
     def __init__(self, tokenizer: ColBERTTokenizer):
@@ -113,7 +124,7 @@ class TokenizedCollate:
     def __call__(self, items: list[Triple | ScoredExample]) -> dict[str, Any]:
         batch: dict[str, Any] = collate_examples(items)
         batch["tokenized"] = {"queries": self.tokenizer.encode_queries(batch["queries"]),
-                              "documents": self.tokenizer.encode_documents(batch["positives"] + batch["negatives"])}
+                              "documents": self.tokenizer.encode_documents(column_by_column(batch["documents"]))}
         return batch
 
 
@@ -268,10 +279,12 @@ def idf_source_documents(source: str, limit: int | None, training: TrainingTripl
     return (texts[:limit] if limit else texts), f"corpus of {dataset.name} ({Path(dataset.source).name})"
 
 
-class TriplesDataModule(pl.LightningDataModule):
-    """Triples from an MS MARCO-style TSV (text triples, or id triples with their queries and collection), mined
-    from a BEIR training split with BM25 hard negatives, or n-way examples (with or without teacher scores) from a
-    ColBERTv2 file, a TREC run or PyLate's layout.
+class TrainingDataModule(pl.LightningDataModule):
+    """The training examples, from any source, as batches of B queries x N documents: triples from an MS
+    MARCO-style TSV (text triples, or id triples with their queries and collection) or mined from a BEIR training
+    split with BM25 hard negatives, or n-way examples (with or without teacher scores) from a ColBERTv2 file, a
+    TREC run, PyLate's layout or what ``hil teacher`` wrote. (Named ``TriplesDataModule`` before it served more than
+    triples; that name still imports, with a deprecation warning, until 0.3.0: ``hil.compat``.)
 
     Files are read from disk by index (:mod:`hil.data.triples_file`, :mod:`hil.data.example_sources`): any size
     trains in bounded memory, and every rank and loader worker shares the same memory-mapped line offsets. Their
@@ -463,3 +476,12 @@ class TriplesDataModule(pl.LightningDataModule):
                                       collate_fn=collate, num_workers=self.hparams.num_workers,
                                       persistent_workers=self.hparams.num_workers > 0, pin_memory=on_gpu,
                                       generator=torch.Generator().manual_seed(0))
+
+
+def __getattr__(name: str) -> Any:
+    """The data module's name before it served n-way examples, runs and teacher outputs (``hil.compat``)."""
+    if name == "TriplesDataModule":
+        warnings.warn("hil.data.datamodule.TriplesDataModule is deprecated: use TrainingDataModule (the same class)",
+                      DeprecationWarning, stacklevel=2)
+        return TrainingDataModule
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -27,7 +27,7 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from hil.data.beir_files import checked_id
-from hil.data.errors import DataFormatError, UserError
+from hil.errors import DataFormatError, UserError
 from hil.data.id_texts import IdTextFile
 from hil.data.line_index import FileStamp, cache_file, load_cache, save_cache, sequence_position
 

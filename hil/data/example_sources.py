@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from hil.data.errors import MissingInputError, UserError
+from hil.errors import MissingInputError, UserError
 from hil.data.examples import ExampleSource
 from hil.data.nway_files import NWayFile
 from hil.data.pylate_files import open_pylate
@@ -53,7 +53,7 @@ def open_example_source(*, nway_examples: str | os.PathLike | None = None, run: 
         data_dir: where relative paths are also looked for (default ``$HIL_DATA_DIR``).
 
     Every path is a file or relative to ``data_dir``. A wrong combination of settings is a :class:`UserError`
-    naming them; bad data a :class:`~hil.data.errors.DataFormatError` naming file and line.
+    naming them; bad data a :class:`~hil.errors.DataFormatError` naming file and line.
     """
     given = {name: value for name, value in zip(KINDS, (nway_examples, run, pylate)) if value is not None}
     if len(given) != 1:

@@ -27,7 +27,8 @@ from typing import Sequence
 
 import numpy as np
 
-from hil.data.errors import DataFormatError
+from hil.errors import DataFormatError
+from hil.data.beir_files import checked_id
 from hil.data.line_index import LineIndex, cache_file, load_cache, save_cache
 
 DENSE, INTEGER, HASHED = 0, 1, 2
@@ -35,7 +36,6 @@ _MODES = {DENSE: "dense", INTEGER: "integer", HASHED: "hashed"}
 _IDS_FORMAT = 1          # header "kind" of the ids cache
 _CHUNK = 1 << 16         # lines whose ids are parsed together
 _CANONICAL = re.compile(rb"(?:0|[1-9][0-9]{0,17})")
-_WHITESPACE = re.compile(r"\s")
 
 
 def hashed_id(identifier: str) -> int:
@@ -50,14 +50,9 @@ def integer_id(identifier: str) -> int | None:
     return int(raw) if _CANONICAL.fullmatch(raw) else None
 
 
-def checked_id(path: Path, line: int, identifier: str, what: str = "id") -> str:
-    """``identifier`` stripped; a :class:`DataFormatError` when empty or holding whitespace."""
-    identifier = identifier.strip()
-    if not identifier:
-        raise DataFormatError(path, line, f"empty {what}")
-    if _WHITESPACE.search(identifier):
-        raise DataFormatError(path, line, f"{what} {identifier!r} contains whitespace")
-    return identifier
+def line_id(path: Path, line: int, text: str) -> str:
+    """The id of an ``id TAB text`` line: the text before the first tab, stripped (:func:`checked_id`)."""
+    return checked_id(path, line, text.partition("\t")[0].strip(), "id")
 
 
 def _raw_integer_ids(region: bytes, starts: np.ndarray) -> np.ndarray | None:
@@ -111,8 +106,7 @@ class IdTextFile:
 
     def _ids(self, first: int, stop: int) -> list[str]:
         """The checked ids of items [first, stop), read one by one."""
-        return [checked_id(self.path, number, text.partition("\t")[0])
-                for number, text in (self.lines.line(i) for i in range(first, stop))]
+        return [line_id(self.path, number, text) for number, text in (self.lines.line(i) for i in range(first, stop))]
 
     def _chunks(self) -> list[tuple[int, int]]:
         return [(first, min(first + _CHUNK, len(self))) for first in range(0, len(self), _CHUNK)]
@@ -159,8 +153,8 @@ class IdTextFile:
             return
         j = same[np.argmin(order[same + 1])]  # the earliest line that repeats a key
         first_line, (line, text) = self.lines.line_number(int(order[j])), self.lines.line(int(order[j + 1]))
-        identifier = checked_id(self.path, line, text.partition("\t")[0])
-        other = checked_id(self.path, first_line, self.lines.line(int(order[j]))[1].partition("\t")[0])
+        identifier = line_id(self.path, line, text)
+        other = line_id(self.path, first_line, self.lines.line(int(order[j]))[1])
         if identifier == other or not hashed:
             raise DataFormatError(self.path, line, f"duplicate id {identifier!r} (first on line {first_line})")
         raise DataFormatError(self.path, line, f"ids {identifier!r} and {other!r} (line {first_line}) have the same "

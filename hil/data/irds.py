@@ -29,7 +29,7 @@ from typing import Any, Iterator, Protocol
 
 from hil.data.beir_files import (OutsideCorpus, QrelsBuilder, checked_id, parse_score, records_to_corpus,
                                  records_to_queries)
-from hil.data.errors import MissingInputError, UserError
+from hil.errors import MissingInputError, UserError
 
 IRDS_PREFIX = "irds:"
 INSTALL_HINT = "pip install ir_datasets"

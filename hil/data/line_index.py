@@ -36,7 +36,7 @@ from typing import Callable
 
 import numpy as np
 
-from hil.data.errors import DataFormatError, MissingInputError
+from hil.errors import DataFormatError, MissingInputError
 from hil.paths import CACHE_DIR_ENV
 from hil.provenance import atomic_output
 

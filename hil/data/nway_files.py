@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from hil.data.beir_files import iter_text_lines
-from hil.data.errors import DataFormatError
+from hil.errors import DataFormatError
 from hil.data.example_files import (ExamplesOnDisk, checked_count, file_key, first_unknown, json_id, json_score,
                                     load_checked, parse_json, save_checked, settings_key, text_of)
 from hil.data.examples import ScoredExample

@@ -27,7 +27,7 @@ from typing import IO, Any, Callable, Iterator
 import numpy as np
 
 from hil.data.beir_files import iter_text_lines
-from hil.data.errors import DataFormatError, MissingInputError
+from hil.errors import DataFormatError, MissingInputError
 from hil.data.example_files import file_key, json_id, parse_json
 from hil.data.id_texts import IdTextFile
 from hil.data.line_index import FileStamp, cache_file, load_cache, save_cache

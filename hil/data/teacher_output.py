@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from hil.data.errors import MissingInputError, UserError
+from hil.errors import MissingInputError, UserError
 from hil.paths import resolve_data_file
 
 # the teacher's --format -> the data module's key for that layout

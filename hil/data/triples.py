@@ -19,7 +19,7 @@ from typing import Iterable, Iterator, TYPE_CHECKING
 
 from hil.data.beir import BeirDataset
 from hil.data.beir_files import iter_text_lines
-from hil.data.errors import DataFormatError, UserError
+from hil.errors import DataFormatError, UserError
 from hil.provenance import atomic_output
 
 if TYPE_CHECKING:

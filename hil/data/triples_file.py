@@ -1,4 +1,4 @@
-"""Training triples read from disk on demand, at any size: the map-style datasets of ``TriplesDataModule``.
+"""Training triples read from disk on demand, at any size: the map-style datasets of ``TrainingDataModule``.
 
 Two layouts, the same :class:`~hil.data.triples.Triple` objects out:
 
@@ -29,9 +29,9 @@ from typing import Iterator
 import numpy as np
 from torch.utils.data import Dataset
 
-from hil.data.beir_files import iter_text_lines
-from hil.data.errors import DataFormatError, UserError
-from hil.data.id_texts import IdTextFile, checked_id
+from hil.data.beir_files import checked_id, iter_text_lines
+from hil.errors import DataFormatError, UserError
+from hil.data.id_texts import IdTextFile
 from hil.data.line_index import LineIndex, sequence_position
 from hil.data.triples import Triple, parse_triple
 
@@ -135,8 +135,9 @@ class IdTriplesFile(_TriplesOnDisk):
             raise DataFormatError(self.path, number, f"expected 3 tab-separated columns (query id, positive id, "
                                                      f"negative id), found {len(columns)}")
         qid, positive, negative = columns
-        return (checked_id(self.path, number, qid, "query id"), checked_id(self.path, number, positive, "positive id"),
-                checked_id(self.path, number, negative, "negative id"))
+        return (checked_id(self.path, number, qid.strip(), "query id"),
+                checked_id(self.path, number, positive.strip(), "positive id"),
+                checked_id(self.path, number, negative.strip(), "negative id"))
 
     def _unknown(self, number: int, what: str, identifier: str, table: IdTextFile) -> DataFormatError:
         return DataFormatError(self.path, number, f"{what} {identifier!r} is not in {table.path}")

@@ -28,7 +28,7 @@ import torch
 
 from hil.data.beir import BeirDataset
 from hil.data.bm25 import bm25_run
-from hil.data.errors import UserError
+from hil.errors import UserError
 from hil.evaluation.metrics import DEFAULT_METRICS, canonical_metrics, evaluate_run
 from hil.evaluation.runs import candidates_from_run, read_trec_run, run_depth
 from hil.modeling.contracts import EncodedBatch, Encoder

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from hil.data.errors import UserError, check_output_path
+from hil.errors import UserError, check_output_path
 from hil.evaluation.evaluate import EvaluationSettings, run_name
 from hil.evaluation.metrics import canonical_metrics
 from hil.evaluation.statistics import P_ADJUST_METHODS

@@ -46,7 +46,7 @@ from typing import Iterable, Literal, Mapping
 import numpy as np
 import pytrec_eval
 
-from hil.data.errors import UserError
+from hil.errors import UserError
 from hil.evaluation.runs import Run, top_k
 
 Qrels = dict[str, dict[str, int]]
@@ -103,7 +103,7 @@ DEPTH_BOUND_MEASURES = ("recall", "mrr", "success", "map")
 
 def canonical_metrics(names: Iterable[str], option: str, *, allow_empty: bool = False) -> tuple[str, ...]:
     """A setting's metric names in the package's spelling, each once (:func:`canonical_metric`); a string, an empty
-    list (unless ``allow_empty``) or an unknown name is a :class:`~hil.data.errors.UserError` naming ``option``."""
+    list (unless ``allow_empty``) or an unknown name is a :class:`~hil.errors.UserError` naming ``option``."""
     if isinstance(names, str) or not (names or allow_empty):
         raise UserError(f"{option}: a list of metric names expected (got {names!r})")
     try:

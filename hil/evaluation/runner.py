@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 import torch
 
 from hil.data.beir import BeirDataset, load_beir
-from hil.data.errors import UserError
+from hil.errors import UserError
 from hil.evaluation.metrics import measurable_metrics
 from hil.evaluation.evaluate import (Evaluation, EvaluationSettings, evaluate, evaluate_bm25, evaluate_run_file,
                                      evaluate_transformed, first_stage, subset_with_first_stage)

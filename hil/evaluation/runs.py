@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Container, Mapping
 
 from hil.data.beir_files import iter_text_lines
-from hil.data.errors import DataFormatError, MissingInputError, UserError
+from hil.errors import DataFormatError, MissingInputError, UserError
 from hil.provenance import atomic_output
 
 Run = dict[str, dict[str, float]]
@@ -87,8 +87,8 @@ def read_trec_run(path: str | os.PathLike, queries: Container[str] | None = None
     The ``Q0`` and rank columns are not checked (trec_eval ignores them too); blank lines are skipped. A row
     without six fields, a score that is not a number (or is NaN), a document listed twice for the same query, and,
     when ``queries`` / ``documents`` are given, a query id or document id not among them (a run of another dataset:
-    a re-ranker cannot score a document it has no text for) raise :class:`~hil.data.errors.DataFormatError` (a
-    ``ValueError``) naming the file and line; a missing file raises :class:`~hil.data.errors.MissingInputError` (a
+    a re-ranker cannot score a document it has no text for) raise :class:`~hil.errors.DataFormatError` (a
+    ``ValueError``) naming the file and line; a missing file raises :class:`~hil.errors.MissingInputError` (a
     ``FileNotFoundError``) naming it.
     """
     path = Path(path)

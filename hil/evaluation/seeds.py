@@ -31,7 +31,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 from scipy import stats as scipy_stats
 
-from hil.data.errors import UserError
+from hil.errors import UserError
 from hil.evaluation.statistics import adjust_p_values, paired_t_test
 
 PerSeed = Mapping[int, Mapping[str, float]]  # seed -> {qid: value}

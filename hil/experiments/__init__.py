@@ -1,1 +1,1 @@
-"""Experiments that compose the package end to end (``python -m hil.experiments.paper``)."""
+"""Experiments that compose the package end to end (``hil paper``)."""

@@ -1,8 +1,8 @@
 """The whole of BEIR in one command, as HIL (001) Table 2: BM25 and each model's nDCG@10 per dataset.
 
-    python -m hil.experiments.beir --model runs/colbert/export --model HIL=runs/hil/export
-    python -m hil.experiments.beir --model M --datasets scifact,nfcorpus,cqadupstack --mode exhaustive
-    python -m hil.experiments.beir --model M --max-queries 50 --max-docs 2000 --out results/beir-slice
+    hil beir --model runs/colbert/export --model HIL=runs/hil/export
+    hil beir --model M --datasets scifact,nfcorpus,cqadupstack --mode exhaustive
+    hil beir --model M --max-queries 50 --max-docs 2000 --out results/beir-slice
 
 ``--datasets all`` (the default) evaluates every BEIR dataset found under the data dir (``<dir>/beir/<name>`` or
 ``<dir>/<name>``; :mod:`hil.experiments.beir_sets`) and names the missing ones in one notice; a list of names
@@ -34,71 +34,23 @@ a model, no dataset found, a dataset that cannot be loaded) is one line on stder
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from transformers.utils import logging as transformers_logging
-
-from hil.data.errors import OneLineArgumentParser, UserError, exit_status
-from hil.data.option_files import parse_with_option_files
-from hil.evaluation.evaluate import MODES, EvaluationSettings
+from hil.errors import UserError
+from hil.evaluation.evaluate import EvaluationSettings
 from hil.evaluation.runner import (DatasetResult, DatasetSpec, Experiment, ModelSpec, StatisticsSettings,
                                    run_experiment)
-from hil.evaluation.statistics import P_ADJUST_METHODS
-from hil.experiments.beir_sets import BY_KEY, Selection, data_root, evaluation_order, missing_notice, select
+from hil.experiments.beir_sets import Selection, data_root, evaluation_order, missing_notice, select
 from hil.experiments.beir_table import BM25, build_table, render_markdown
 from hil.provenance import provenance, write_json_atomic, write_text_atomic
-from hil.retrieval.backends.configs import BACKEND_KINDS, configs_from_params
-from hil.retrieval.devices import PRECISIONS, check_precision, resolve_device
+from hil.retrieval.backends.configs import configs_from_params
+from hil.retrieval.devices import check_precision, resolve_device
 
-PROG = "hil beir"  # also python -m hil.experiments.beir
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    summary, _, details = __doc__.partition("\n\n")
-    parser = OneLineArgumentParser(prog=PROG, description=summary, epilog=details,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
-    add = parser.add_argument
-    add("--model", action="append", required=True, metavar="[NAME=]PATH",
-        help="export folder, Lightning .ckpt or backbone (untrained head); repeatable; NAME is its column "
-             "(default: the folder's name, its parent's for an 'export' folder)")
-    add("--baseline", default=None, help="the model the others are compared with (default: the first --model)")
-    add("--datasets", default="all", help="'all' (every one found locally) or a comma-separated list of: "
-        f"{', '.join(BY_KEY)}")
-    add("--data-dir", default=None, help="overrides HIL_DATA_DIR")
-    add("--output", "--out", dest="out", default="results/beir",
-        help="output folder (results per dataset, table.md, table.json)")
-    add("--mode", choices=MODES, default="full", help="full ranking through the index (001's setting), exhaustive "
-        "exact scoring of every document, or re-ranking BM25's top --rerank-depth; a dataset that ships a "
-        "first-stage run is always re-ranked")
-    add("--k", type=int, default=1000, help="documents ranked per query")
-    add("--rerank-depth", type=int, default=100, help="first-stage candidates re-ranked per query")
-    add("--backend", "--faiss", dest="backend", choices=BACKEND_KINDS, default="flat",
-        help="the index's search back-end (mode full; --faiss: the name before 0.2)")
-    add("--backend-params", "--faiss-params", dest="backend_params", type=json.loads, default=None,
-        help='its build-time and search-time settings as JSON, e.g. \'{"nlist": 1024, "nprobe": 16}\'')
-    add("--index-root", default="indexes", help="where indexes live; 'none' encodes in memory (not with mode full)")
-    add("--batch-size", type=int, default=None, help="documents per encoding batch (default: 32 on a CPU, 128 on a GPU)")
-    add("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    add("--precision", choices=PRECISIONS, default="fp32", help="the corpus encoding's autocast")
-    add("--encode-queries", choices=("fp32", "onnx"), default="fp32",
-        help="full ranking on a CPU: queries through ONNX Runtime's fused fp32 graph (same vectors, faster)")
-    add("--processes", type=int, default=1, help="corpus-encoding processes")
-    add("--max-queries", type=int, default=None, help="evaluate a slice of each dataset (sampled with --seed)")
-    add("--max-docs", type=int, default=None, help="corpus slice: judged documents plus sampled others")
-    add("--seed", type=int, default=12345, help="slices, untrained-head initialisation, bootstrap")
-    add("--dim", type=int, default=None, help="head size for an untrained backbone")
-    add("--bootstrap-samples", type=int, default=1000, help="bootstrap samples of the 95%% intervals and tests")
-    add("--p-adjust", choices=P_ADJUST_METHODS, default="holm", help="multiple-comparison adjustment of the paired "
-        "tests' p-values, shown beside the raw ones and used for the dagger: holm (Holm-Bonferroni), bh "
-        "(Benjamini-Hochberg) or none")
-    add("--quiet", action="store_true", help="no progress bars or progress lines")
-    return parser
 
 
 # -- arguments -------------------------------------------------------------------------------------------------
@@ -209,7 +161,7 @@ def prepare(args: argparse.Namespace) -> tuple[Experiment, Selection, str]:
     command = {key: value for key, value in vars(args).items() if key != "quiet"}
     # Table 2 compares the models with BM25 and the baseline per dataset: its own tests (beir_table), not the
     # per-dataset statistics of metrics.json.
-    experiment = Experiment(dataset_specs(selection, args), models, args.out, settings=settings,
+    experiment = Experiment(dataset_specs(selection, args), models, args.output, settings=settings,
                             statistics=StatisticsSettings(enabled=False, bootstrap_samples=args.bootstrap_samples,
                                                           p_adjust=args.p_adjust),
                             seed=args.seed, data_dir=args.data_dir, quiet=args.quiet, command=command)
@@ -228,16 +180,5 @@ def run(args: argparse.Namespace) -> int:
 
     results = run_experiment(experiment, on_dataset=done)
     print(write_table(experiment, selection, records_of(results), baseline, args.p_adjust))
-    experiment.log(f"wrote {Path(args.out) / 'table.md'} and {Path(args.out) / 'table.json'}")
+    experiment.log(f"wrote {Path(args.output) / 'table.md'} and {Path(args.output) / 'table.json'}")
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_with_option_files(build_parser(), argv)
-    if args.quiet:
-        transformers_logging.disable_progress_bar()
-    return exit_status(PROG, lambda: run(args))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -18,7 +18,7 @@ that this does not hurt PLAID but breaks single-vector schemes such as MUVERA's 
 
 ``engines.json`` holds every number with its settings, ``engines.md`` the tables and ``engines_isotropy.png`` the
 figure: MUVERA's recall against the average cosine of the tokens its SimHash sees (the most anisotropic head of the
-model), one point per model x transform. Run: ``python -m hil.experiments.engines`` (``hil engines``).
+model), one point per model x transform. Run: ``hil engines``.
 
 A model given as ``name@seed=path`` is one training of the method ``name``; a method with two or more seeds gets a
 summary over its seeds (mean, sample standard deviation, range of each engine's recall and of the isotropy).
@@ -28,7 +28,6 @@ source, seed and weights (:func:`~hil.retrieval.index.encoder_fingerprint`) are 
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from dataclasses import dataclass, replace
@@ -39,8 +38,8 @@ import numpy as np
 import torch
 
 from hil.analysis.similarity import isotropy_scores
-from hil.data.beir import BeirDataset, load_beir
-from hil.data.errors import UserError, exit_status
+from hil.data.beir import BeirDataset
+from hil.errors import UserError
 from hil.data.ranking import id_rank, top_k_indices
 from hil.evaluation.evaluate import EvaluationSettings, document_store, evaluate
 from hil.evaluation.experiment import ModelSpec
@@ -336,22 +335,6 @@ def _ci(value: Mapping[str, float]) -> str:
     return f"{fmt(value['mean'])} [{fmt(value['low'])}, {fmt(value['high'])}]"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hil engines", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", required=True, help="comma-separated name=path (exports, checkpoints, ...)")
-    parser.add_argument("--dataset", required=True, help="a BEIR name or folder")
-    parser.add_argument("--max-queries", type=int, default=None, help="a seeded slice of the queries")
-    parser.add_argument("--max-docs", type=int, default=None, help="a seeded slice of the corpus (judged kept)")
-    parser.add_argument("--output", "--out", dest="out", required=True,
-                        help="output folder (engines.json, engines.md, the figure)")
-    parser.add_argument("--index-root", default="indexes", help="where the models' indexes are built or reused")
-    parser.add_argument("--depth", type=int, default=100, help="documents ranked; recall is measured at it")
-    parser.add_argument("--max-tokens", type=int, default=20_000, help="document tokens sampled for isotropy")
-    parser.add_argument("--n-bootstrap", type=int, default=1000)
-    parser.add_argument("--seed", type=int, default=12345, help="slices, token samples, bootstrap")
-    return parser
-
-
 def model_specs(text: str) -> list[ModelSpec]:
     """``name=path`` or ``name@seed=path`` (one training of the method ``name``), comma-separated."""
     specs = []
@@ -365,27 +348,3 @@ def model_specs(text: str) -> list[ModelSpec]:
         else:
             specs.append(ModelSpec(path, name=method))
     return specs
-
-
-def main(argv: list[str] | None = None) -> int:
-    """The command; -> its exit status (2 and one line for a user error)."""
-    return exit_status("hil engines", lambda: run_command(argv))
-
-
-def run_command(argv: list[str] | None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.depth < 1 or args.max_tokens < 2:
-        raise UserError("--depth must be >= 1 and --max-tokens >= 2")
-    models = model_specs(args.models)
-    dataset = load_beir(args.dataset)
-    if args.max_queries or args.max_docs:
-        dataset = dataset.subset(args.max_queries, args.max_docs, seed=args.seed)
-    engine_study(models, dataset, Path(args.out), depth=args.depth, index_root=args.index_root,
-                 max_tokens=args.max_tokens, n_bootstrap=args.n_bootstrap, seed=args.seed,
-                 command="hil engines " + " ".join(argv if argv is not None else sys.argv[1:]))
-    print(Path(args.out) / "engines.md")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,8 +1,8 @@
 """Reproduce HIL (001) Tables 2, 3 and 5 and Figures 2, 3 and 5 at a chosen scale, in one resumable command.
 
-    python -m hil.experiments.paper --profile cpu          # about two hours on 2 CPU cores
-    python -m hil.experiments.paper --profile smoke        # minutes; the test suite runs it
-    python -m hil.experiments.paper --profile paper        # 001's settings, for a GPU
+    hil paper --profile cpu          # about two hours on 2 CPU cores
+    hil paper --profile smoke        # minutes; the test suite runs it
+    hil paper --profile paper        # 001's settings, for a GPU
 
 Stages, each skipped when its output already exists (a rerun resumes; ``--force`` redoes everything):
 
@@ -32,7 +32,6 @@ most relevant judged document (highest grade, then smallest id), so every model 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
@@ -45,25 +44,21 @@ from pathlib import Path
 from typing import Any, Collection
 
 
-from hil.data.errors import DEBUG_ENV, UserError, one_line, user_error
-from hil.data.option_files import parse_with_option_files
+from hil.errors import UserError
 from hil.evaluation.evaluate import EvaluationSettings
 from hil.evaluation.runner import DatasetSpec, Experiment, ModelSpec, StatisticsSettings, run_experiment
-from hil.evaluation.statistics import P_ADJUST_METHODS
 from hil.experiments.paper_columns import ExperimentError, PaperColumns, head_overlap, log, relevant_pairs
-from hil.experiments.profiles import (CORPUS_IDF, DATASETS, DEFAULT_VARIANTS, ENSEMBLES, FIRST_STAGES, PROFILES,
-                                      REPO_CONFIGS, VARIANTS, Profile, default_datasets)
+from hil.experiments.profiles import (CORPUS_IDF, DATASETS, DEFAULT_VARIANTS, ENSEMBLES, FIRST_STAGES, VARIANTS,
+                                      Profile, default_datasets)
 from hil.experiments.records import load_dataset, load_results, other_data, require_local, summarize
 from hil.experiments.report import write_report
 from hil.experiments.seed_report import seed_folder, write_seed_report
 from hil.modeling.encoder import CONFIG_NAME
 from hil.provenance import provenance, write_json_atomic
 from hil.paths import DATA_DIR_ENV
-from hil.retrieval.devices import PRECISIONS, check_precision, resolve_device
 
 # Re-exported: the paper's own measurements live in hil.experiments.paper_columns.
-__all__ = ["ExperimentError", "PaperColumns", "head_overlap", "main", "paper_experiment", "relevant_pairs",
-           "run_profile"]
+__all__ = ["ExperimentError", "PaperColumns", "head_overlap", "paper_experiment", "relevant_pairs", "run_profile"]
 
 # -- training ------------------------------------------------------------------------------------------------
 
@@ -72,7 +67,7 @@ def train_variant(name: str, profile: Profile, out: Path, force: bool = False) -
     workdir = out / "train" / name
     export = workdir / "export"
     partial = workdir / "export.partial"
-    command = [sys.executable, "-c", "from hil.cli import train_main; train_main()", "fit",
+    command = [sys.executable, "-m", "hil", "fit",
                *profile.config_args(name), "--trainer.default_root_dir", str(workdir), "--export_dir", str(partial)]
     budget = {"variant": VARIANTS[name][0] or "colbert", **asdict(profile.training)}
     if (export / CONFIG_NAME).is_file() and not force:
@@ -205,39 +200,6 @@ def write_outputs(out: Path, profile: Profile, *, command: str = "", elapsed_s: 
     return report
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hil paper", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--profile", choices=sorted(PROFILES), default="cpu")
-    parser.add_argument("--output", "--out", dest="out", default=None, help="output folder (default results/<profile>)")
-    parser.add_argument("--variants", default=None, help=f"comma-separated subset of {','.join(VARIANTS)}")
-    parser.add_argument("--datasets", default=None, help=f"comma-separated subset of {','.join(DATASETS)}")
-    parser.add_argument("--max-steps", type=int, default=None, help="override the profile's training steps")
-    parser.add_argument("--configs", default=str(REPO_CONFIGS),
-                        help="config folder (colbert.yaml, variants/, presets/)")
-    parser.add_argument("--device", default=None,
-                        help="where models are evaluated: auto (the GPU when there is one; the default), cpu, cuda, "
-                             "cuda:N")
-    parser.add_argument("--precision", choices=PRECISIONS, default=None,
-                        help="corpus encoding autocast at evaluation (default: the profile's, fp32)")
-    parser.add_argument("--p-adjust", choices=P_ADJUST_METHODS, default=None,
-                        help="multiple-comparison adjustment of the tests against ColBERT, shown beside the raw "
-                             "p-values and used for the dagger: holm (Holm-Bonferroni; the default), bh "
-                             "(Benjamini-Hochberg) or none")
-    parser.add_argument("--seeds", default=None,
-                        help="comma-separated training seeds: the experiment once per seed into <out>/seed-<s>/, "
-                             "then <out>/seeds.md (every variant over the seeds, against ColBERT); default: one run "
-                             "with the config's seed_everything")
-    parser.add_argument("--no-corpus-idf", action="store_true",
-                        help="leave out the ColBERT-HIL columns with IDF recomputed on each evaluated dataset")
-    parser.add_argument("--force", action="store_true", help="redo finished stages instead of skipping them")
-    parser.add_argument("--report-only", action="store_true", help="only rewrite the report from finished stages")
-    parser.add_argument("--publish", default=None, metavar="DIR",
-                        help="then copy the report, summary.json, figures and per-model metric JSONs (no runs, "
-                             "score matrices or models) to DIR, e.g. docs/paper-cpu")
-    return parser
-
-
 def publish(out: Path, target: Path) -> Path:
     """Copy what a reader of the report needs (small files) from ``out`` to ``target``; returns the copied report."""
     if not (out / "report.md").is_file():
@@ -280,22 +242,6 @@ def seed_list(text: str | None) -> list[int] | None:
     return seeds
 
 
-def main(argv: list[str] | None = None) -> int:
-    """The command; -> its exit status: 2 and one line for a user error (an option, a variant or dataset name, a
-    folder without results: ``hil.data.errors.user_error``), 1 and one line naming the log when a stage failed
-    (:class:`ExperimentError`); ``HIL_DEBUG=1`` keeps the traceback."""
-    try:
-        return run_command(argv)
-    except Exception as error:
-        if os.environ.get(DEBUG_ENV):
-            raise
-        shown = error if isinstance(error, ExperimentError) else user_error(error)
-        if shown is None:
-            raise
-        print(f"error: {one_line(shown)}", file=sys.stderr)
-        return 1 if isinstance(shown, ExperimentError) else 2
-
-
 def names(option: str, text: str | None, known: Collection[str]) -> list[str] | None:
     """The comma-separated names of ``option`` (None when not given), each one of ``known``."""
     if not text:
@@ -305,50 +251,3 @@ def names(option: str, text: str | None, known: Collection[str]) -> list[str] | 
     if unknown:
         raise UserError(f"{option}: unknown {', '.join(map(repr, unknown))} (known: {', '.join(known)})")
     return given
-
-
-def run_command(argv: list[str] | None) -> int:
-
-    args = parse_with_option_files(build_parser(), argv)
-    profile = PROFILES[args.profile]
-    if args.max_steps is not None:
-        if args.max_steps < 1:
-            raise UserError(f"--max-steps must be at least 1 (got {args.max_steps})")
-        profile = replace(profile, max_steps=args.max_steps)
-    variants, datasets = names("--variants", args.variants, VARIANTS), names("--datasets", args.datasets, DATASETS)
-    profile = replace(profile, configs=Path(args.configs))
-    overrides = {k: v for k, v in (("device", args.device), ("precision", args.precision),
-                                   ("p_adjust", args.p_adjust)) if v is not None}
-    if overrides:
-        profile = replace(profile, **overrides)
-    try:
-        check_precision(profile.precision, resolve_device(profile.device))
-    except ValueError as error:
-        raise UserError(f"--device/--precision: {error}") from None
-    if args.no_corpus_idf:
-        profile = replace(profile, corpus_idf=False)
-    seeds = seed_list(args.seeds)
-    out = Path(args.out or Path("results") / profile.name)
-    command = "python -m hil.experiments.paper " + " ".join(argv if argv is not None else sys.argv[1:])
-    if seeds is not None:
-        if args.report_only:
-            print(write_seed_report(out, profile, seeds, command=command))
-        else:
-            run_seeds(profile, out, seeds, variants=variants, datasets=datasets, force=args.force, command=command)
-        if args.publish:
-            log(f"published {publish_seeds(out, seeds, Path(args.publish))}")
-        return 0
-    if args.report_only:
-        recorded = out / "profile.json"  # the command that ran the experiment, not this rewrite
-        if recorded.is_file():
-            command = json.loads(recorded.read_text()).get("command") or command
-        print(write_outputs(out, profile, command=command))
-    else:
-        run_profile(profile, out, variants=variants, datasets=datasets, force=args.force, command=command)
-    if args.publish:
-        log(f"published {publish(out, Path(args.publish))}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

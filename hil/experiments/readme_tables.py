@@ -9,7 +9,7 @@ the markers is this module's rendering of the results files that :data:`TABLES` 
 changes only with the file (and the command) it comes from. ``tests/test_readme_tables.py`` checks that the README
 equals the rendering of the committed files.
 
-- ``paper-cpu-fidelity``: ``docs/paper-cpu-fidelity/summary.json``, written by ``python -m hil.experiments.paper``
+- ``paper-cpu-fidelity``: ``docs/paper-cpu-fidelity/summary.json``, written by ``hil paper``
   (``--publish docs/paper-cpu-fidelity``; ``--report-only`` recomputes it from the ``eval/`` records beside it).
 - ``distill-cpu``: ``docs/distill-cpu/table.json``, written by ``hil beir`` over the distilled models (docs/results.md,
   "Distillation at CPU scale").
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from hil.data.errors import UserError, one_line
+from hil.errors import UserError, one_line
 from hil.evaluation.tables import adjustment_legend, markdown_table, p_value, pct, relative
 from hil.provenance import write_text_atomic
 
@@ -148,7 +148,7 @@ def render_paper_cpu_fidelity(root: Path, document: str = README) -> list[str]:
     """nDCG@10 of BM25, ColBERT and the two HIL recipes on SciFact, NFCorpus (their average) and DL19."""
     summary = read_json(root, PAPER_SUMMARY)
     if summary is None:
-        raise UserError(f"{root / PAPER_SUMMARY}: not found (python -m hil.experiments.paper ... --publish "
+        raise UserError(f"{root / PAPER_SUMMARY}: not found (hil paper ... --publish "
                         f"{Path(PAPER_SUMMARY).parent} writes it)")
     table2 = _field(summary, PAPER_SUMMARY, "table2")
     colbert_avg = _field(table2, PAPER_SUMMARY, "colbert", "avg")

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from hil.data.beir import BeirDataset, load_beir
-from hil.data.errors import MissingInputError
+from hil.errors import MissingInputError
 from hil.evaluation.evaluate import Evaluation, evaluate_run_file, subset_with_first_stage
 from hil.evaluation.statistics import (SIGNIFICANCE_LEVEL, add_adjusted, bootstrap_ci, paired_permutation_test,
                                        paired_t_test)

@@ -213,7 +213,7 @@ def header_lines(summary: dict[str, Any], profile: Profile) -> list[str]:
     stage_minutes = sum(t["encode_s"] + t["score_s"] for models in summary["timings"].values()
                         for t in models.values()) / 60
     lines = [f"# HIL (001) reproduced at `{profile.name}` scale", "",
-             f"Generated {time.strftime('%Y-%m-%d %H:%M')} by `{summary['command'] or 'python -m hil.experiments.paper'}`"
+             f"Generated {time.strftime('%Y-%m-%d %H:%M')} by `{summary['command'] or 'hil paper'}`"
              f" at commit `{host['commit']}` on {host['cpu']} ({host['cores']} cores, {host['torch_threads']} torch "
              f"threads{', GPU ' + host['gpu'] if host['gpu'] else ''})"
              + (f"; this invocation ran {elapsed_s / 60:.1f} min" if elapsed_s is not None else "") + ". Stage "

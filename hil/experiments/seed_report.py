@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
-from hil.data.errors import UserError
+from hil.errors import UserError
 from hil.evaluation.seeds import SEED_LEVEL, seed_table
 from hil.evaluation.tables import fmt, markdown_table, p_with_adjusted
 from hil.experiments.profiles import CORPUS_IDF, DATASETS, VARIANTS, Profile

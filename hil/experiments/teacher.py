@@ -1,11 +1,11 @@
-"""``python -m hil.experiments.teacher``: make distillation data here -- mine each query's candidates, score them
+"""``hil teacher``: make distillation data here -- mine each query's candidates, score them
 with a teacher, write an n-way examples file that the training readers take (``hil.data.nway_files``).
 
-    python -m hil.experiments.teacher --dataset scifact --split train --teacher cross-encoder/ms-marco-MiniLM-L-6-v2 \\
+    hil teacher --dataset scifact --split train --teacher cross-encoder/ms-marco-MiniLM-L-6-v2 \\
         --output data/scifact-train.ce.jsonl
-    python -m hil.experiments.teacher --queries msmarco/queries.dev.small.tsv --collection collection.tsv \\
+    hil teacher --queries msmarco/queries.dev.small.tsv --collection collection.tsv \\
         --miner bm25 --depth 100 --nway 32 --teacher all-MiniLM-L6-v2 --teacher-kind dense --output dev.jsonl
-    python -m hil.experiments.teacher --dataset scifact --split train --miner runs/colbert/export \\
+    hil teacher --dataset scifact --split train --miner runs/colbert/export \\
         --teacher runs/colbert/export --positives first --output scifact.self.jsonl
 
 Steps. (1) The queries (``qid TAB text``, or a BEIR dataset's queries judged in ``--split``) and the collection
@@ -45,17 +45,15 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers.utils import logging as transformers_logging
 
 from hil.data.beir import BeirDataset, load_beir, load_collection_tsv, load_topics_tsv
 from hil.data.bm25 import BM25Index
-from hil.data.errors import MissingInputError, OneLineArgumentParser, UserError, check_output_path, exit_status
+from hil.errors import MissingInputError, UserError
 from hil.data.id_texts import integer_id
-from hil.data.option_files import parse_with_option_files
 from hil.data.run_examples import read_qrels
 from hil.evaluation.evaluate import EvaluationSettings, document_store
 from hil.evaluation.runs import ranked
-from hil.experiments.teacher_models import KINDS, Teacher, load_teacher
+from hil.experiments.teacher_models import Teacher, load_teacher
 from hil.modeling.loading import load_encoder
 from hil.paths import resolve_data_file
 from hil.provenance import atomic_output, provenance
@@ -64,43 +62,12 @@ from hil.retrieval.progress import progress_bar
 from hil.retrieval.search import exact_rank
 from hil.retrieval.full_ranking import full_rank
 
-PROG = "hil teacher"  # also python -m hil.experiments.teacher
 FORMATS = ("colbert", "pylate", "trec")
 POSITIVE_OPTIONS = ("depth", "batch_size", "max_queries", "max_length", "relevance_level")
 # Queries scored per call of the teacher: the progress bar's step. Scores equal one call's to float rounding (a
 # cross-encoder's length-sorted batches then pad otherwise).
 SCORE_CHUNK = 64
 _LINE_BREAKS = str.maketrans({"\n": " ", "\r": " "})
-
-
-def build_parser() -> argparse.ArgumentParser:
-    summary, _, details = __doc__.partition("\n\n")
-    parser = OneLineArgumentParser(prog=PROG, description=summary, epilog=details,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--queries", help="qid TAB text (a path, or relative to HIL_DATA_DIR)")
-    parser.add_argument("--collection", help="pid TAB text (with --queries)")
-    parser.add_argument("--dataset", help="a BEIR dataset name or folder instead of --queries/--collection")
-    parser.add_argument("--split", default="train", help="the BEIR split whose judged queries are used")
-    parser.add_argument("--data-dir", default=None, help="overrides HIL_DATA_DIR")
-    parser.add_argument("--qrels", help="judgments for --positives first (BEIR TSV or TREC qrels; with --queries)")
-    parser.add_argument("--positives", choices=("none", "first"), default="none",
-                        help="first: each query's judged positive leads its line (default none: the teacher ranks)")
-    parser.add_argument("--relevance-level", type=int, default=1, help="the least grade that is a positive")
-    parser.add_argument("--miner", default="bm25", help="bm25, or a model hil loads")
-    parser.add_argument("--index-root", default=None,
-                        help="a model miner searches an index built here (default: exact, in memory)")
-    parser.add_argument("--depth", type=int, default=100, help="candidates mined per query")
-    parser.add_argument("--nway", type=int, default=32, help="documents written per query")
-    parser.add_argument("--teacher", required=True, help="a model hil loads, or a Hugging Face model")
-    parser.add_argument("--teacher-kind", choices=KINDS, default="auto")
-    parser.add_argument("--batch-size", type=int, default=32, help="pairs (or texts) per teacher forward pass")
-    parser.add_argument("--max-length", type=int, default=None, help="tokens per pair or text (Hugging Face teachers)")
-    parser.add_argument("--max-queries", type=int, default=None, help="only the first N queries")
-    parser.add_argument("--format", choices=FORMATS, default="colbert")
-    parser.add_argument("--output", required=True, help="the examples file to write")
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    parser.add_argument("--quiet", action="store_true", help="no progress bars")
-    return parser
 
 
 def check_arguments(args: argparse.Namespace) -> torch.device:
@@ -318,23 +285,3 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         counts=counts, device=str(device))
     write_outputs(args, inputs, lines, record)
     return record
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_with_option_files(build_parser(), argv)
-    if args.quiet:
-        transformers_logging.disable_progress_bar()
-    def make_and_report() -> int:
-        check_output_path(args.output, "--output", folder=False)  # before mining and scoring, not after
-        record = run(args)
-        counts = record["counts"]
-        print(f"wrote {counts['written']} of {counts['queries']} queries to {record['files']['examples']} "
-              f"({record['files']['meta']}); train from it: hil fit ... --data.teacher_output "
-              f"{record['files']['examples']}")
-        return 0
-
-    return exit_status(PROG, make_and_report)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""The teachers of ``python -m hil.experiments.teacher``: what scores each (query, candidate document) pair.
+"""The teachers of ``hil teacher``: what scores each (query, candidate document) pair.
 
 - ``colbert``: any model ``hil`` loads (:func:`hil.modeling.loading.load_encoder`: our exports and checkpoints,
   Stanford ColBERT and PyLate folders), scored with ``encoder.score`` through
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from hil.data.errors import UserError
+from hil.errors import UserError
 from hil.modeling.contracts import Encoder
 from hil.modeling.formats import model_layout
 from hil.modeling.hub import local_model_dir

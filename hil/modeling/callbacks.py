@@ -284,15 +284,14 @@ def _is_terminal(stream: TextIO) -> bool:
 
 
 def _unit(batch: Any) -> str:
-    """What one example of ``batch`` is: a triple (one negative per query), else a query with its N documents."""
-    if isinstance(batch, Mapping) and "queries" in batch and "negatives" in batch and \
-            len(batch["negatives"]) != len(batch["queries"]):
+    """What one example of ``batch`` is: a triple (two documents per query), else a query with its N documents."""
+    if isinstance(batch, Mapping) and batch.get("documents") and len(batch["documents"][0]) != 2:
         return "queries"
     return "triples"
 
 
 def _triples(batch: Any) -> int:
-    """Triples in one batch on one process (a ``TriplesDataModule`` batch: its queries), 0 when unknown."""
+    """Triples in one batch on one process (a ``TrainingDataModule`` batch: its queries), 0 when unknown."""
     if isinstance(batch, Mapping) and "queries" in batch:
         return len(batch["queries"])
     return int(batch.shape[0]) if isinstance(batch, torch.Tensor) and batch.dim() else 0

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from transformers import AutoModel, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
-from hil.data.errors import UserError
+from hil.errors import UserError
 from hil.data.idf import IDFTable
 from hil.data.tokenization import ColBERTTokenizer, TokenizedBatch
 from hil.modeling.backbone_mask import backbone_attention_mask

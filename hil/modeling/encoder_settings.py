@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Literal, Sequence
 
-from hil.data.errors import UserError
+from hil.errors import UserError
 from hil.data.tokenization import DOC_MARKER, QUERY_MARKER
 from hil.modeling.hil_scoring import DEFAULT_EPS
 

@@ -34,7 +34,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from hil.data.errors import UserError
+from hil.errors import UserError
 from hil.modeling.encoder import CONFIG_NAME
 
 Layout = Literal["hil", "stanford", "pylate", "sentence-transformers", "backbone"]

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import get_device_states, set_device_states
 
-from hil.data.errors import UserError
+from hil.errors import UserError
 from hil.data.tokenization import TokenizedBatch
 from hil.modeling.contracts import EncodedBatch, Encoder
 from hil.modeling.distributed import is_distributed

@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Iterable, Protocol
 
-from hil.data.errors import MissingInputError, UserError
+from hil.errors import MissingInputError, UserError
 from hil.paths import resolve_model
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")

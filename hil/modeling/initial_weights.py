@@ -18,7 +18,7 @@ from pathlib import Path
 
 from torch import Tensor
 
-from hil.data.errors import UserError
+from hil.errors import UserError
 from hil.modeling.encoder import MultiVectorEncoder, load_backbone
 from hil.modeling.formats import ForeignColBERT, ModelFormatError, model_layout, read_foreign
 from hil.modeling.hub import local_model_dir

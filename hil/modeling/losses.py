@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 import torch
 
-from hil.data.errors import UserError
+from hil.errors import UserError
 from hil.modeling.batch import RankingBatch, TripleBatch
 from hil.modeling.contracts import Encoder
 from hil.modeling.distributed import gather_encoded

@@ -13,10 +13,10 @@ The objective is ``sum_k weight_k * term_k`` (``hil.modeling.terms``, as Lightni
 loss or a regularizer each: ``InBatchCE`` beside a distillation loss, ``HILIsotropy`` beside ColBERT-HIL's, ...).
 
 One training step (``batch.py``, ``losses.py``, ``terms.py``, ``hil/isotropy/regularizers.py``):
-    batch of strings {queries (B), positives (B), negatives ((N-1) B), [teacher_scores (B, N)]}  (hil.data.datamodule)
-          with its tokens {queries (B, Lq), documents (N B, Ld)}, tokenized in the loader with the encoder's
-          tokenizer (a batch without them is tokenized here)
-    -> encoder.encode                                  queries (B, Lq), docs (N B, Ld) = [positives; negatives]
+    batch of strings {queries (B), documents (B, N), [teacher_scores (B, N)]}  (hil.data.datamodule)
+          with its tokens {queries (B, Lq), documents (N B, Ld) column by column}, tokenized in the loader with
+          the encoder's tokenizer (a batch without them is tokenized here)
+    -> encoder.encode                                  queries (B, Lq), docs (N B, Ld): document j of query i at j B + i
     -> RankingBatch(queries, docs, teacher_scores)     (N = 2: the triples' [positives; negatives], as always)
     -> sum_k weight_k * term_k(encoder, batch)         and every term's parts to log
 With ``gradcache_chunk_size`` the encoding is done in chunks and the gradient assembled by GradCache
@@ -39,8 +39,8 @@ import torch
 from pytorch_lightning.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor
 
-from hil.data.datamodule import TriplesDataModule
-from hil.data.errors import UserError, one_line
+from hil.data.datamodule import TrainingDataModule, column_by_column
+from hil.errors import UserError, one_line
 from hil.data.tokenization import ColBERTTokenizer, TokenizedBatch
 from hil.isotropy.regularizers import Regularizer
 from hil.modeling.batch import RankingBatch
@@ -103,13 +103,13 @@ class LinearWarmup(torch.optim.lr_scheduler.LambdaLR):
 
 
 def ranking_texts(batch: dict[str, Any]) -> tuple[list[str], list[str], Tensor | None]:
-    """A batch of strings (``hil.data.datamodule``) as (queries (B), documents (N B) column by column, teacher
-    scores (B, N) or None): the documents are ``positives + negatives``, the negatives already column by column."""
-    queries, positives, negatives = batch["queries"], batch["positives"], batch["negatives"]
-    if not queries or len(positives) != len(queries) or len(negatives) % len(queries):
-        raise ValueError(f"a training batch has B queries, B positives and a multiple of B negatives; got "
-                         f"{len(queries)}, {len(positives)}, {len(negatives)}")
-    return list(queries), list(positives) + list(negatives), batch.get("teacher_scores")
+    """A batch of strings (``hil.data.datamodule``) as (queries (B), documents (N B) column by column
+    (:func:`~hil.data.datamodule.column_by_column`), teacher scores (B, N) or None)."""
+    queries, documents = batch["queries"], batch["documents"]
+    if not queries or len(documents) != len(queries):
+        raise ValueError(f"a training batch has B queries and the N documents of each; got {len(queries)} queries "
+                         f"and documents for {len(documents)}")
+    return list(queries), column_by_column(documents), batch.get("teacher_scores")
 
 
 def ranking_inputs(batch: dict[str, Any], tokenizer: ColBERTTokenizer
@@ -196,7 +196,7 @@ class RetrieverModule(pl.LightningModule):
     # -- training ---------------------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
         datamodule = self.trainer.datamodule if self._trainer is not None else None
-        if stage == "fit" and isinstance(datamodule, TriplesDataModule):
+        if stage == "fit" and isinstance(datamodule, TrainingDataModule):
             datamodule.tokenize_with(self.encoder.tokenizer)  # batches arrive tokenized, by the loader's workers
             if self.needs_teacher_scores and not datamodule.has_teacher_scores():
                 wanting = [type(named.term).__name__ for named in self.objective() if named.term.needs_teacher_scores]

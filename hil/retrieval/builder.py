@@ -49,7 +49,7 @@ from hil.retrieval.fast_encode import DOCUMENT_ENCODINGS, document_encoding_key
 from hil.retrieval.index import (DOC_IDS_JSON, INDEX_FORMAT, INDEX_FORMAT_VERSION, INDEX_JSON, IndexMismatchError,
                                  TokenIndex, embeddings_path, encoder_fingerprint, fingerprint_corpus,
                                  json_normalized, plaid_paths, seal_index, unfinished_build_dir)
-from hil.data.errors import UserError
+from hil.errors import UserError
 from hil.retrieval.integrity import IndexIntegrityError, check_verify
 from hil.retrieval.store import TokenTable
 

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from hil.modeling.contracts import Encoder
-from hil.data.errors import UserError
+from hil.errors import UserError
 from hil.provenance import atomic_output, fingerprint_strings, write_json_atomic
 from hil.retrieval.codec import CompressedEmbeddings, ResidualCodec
 from hil.retrieval.integrity import (FILES_KEY, IndexIntegrityError, check_files, load_npy, rebuild_hint,

@@ -43,7 +43,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from hil.data.errors import UserError
+from hil.errors import UserError
 from hil.retrieval.backends.configs import KMEANS_CHOICES
 from hil.retrieval.devices import canonical_device, faiss_gpu_count
 

@@ -22,7 +22,7 @@ from typing import Any, ClassVar, Sequence
 import numpy as np
 import torch
 
-from hil.data.errors import UserError
+from hil.errors import UserError
 from hil.modeling.contracts import EncodedBatch
 from hil.retrieval.backends.configs import IndexConfig, SearchConfig, check_search, register_kind
 from hil.retrieval.codec import ResidualCodec

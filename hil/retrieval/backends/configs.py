@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any, ClassVar, Mapping
 
-from hil.data.errors import UserError
+from hil.errors import UserError
 
 # PlaidIndexConfig.kmeans: which k-means builds PLAID's centroids (hil.retrieval.kmeans.kmeans_engine)
 KMEANS_CHOICES = ("auto", "faiss", "torch")

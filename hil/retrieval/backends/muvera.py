@@ -34,7 +34,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from hil.data.errors import UserError
+from hil.errors import UserError
 from hil.isotropy.linear_transforms import MomentAccumulator
 from hil.modeling.contracts import EncodedBatch
 from hil.provenance import atomic_output

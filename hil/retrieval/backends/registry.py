@@ -12,7 +12,7 @@ import torch
 
 from typing import Any
 
-from hil.data.errors import UserError
+from hil.errors import UserError
 from hil.retrieval.backends import token_ann  # noqa: F401,I001  (defining them registers them; flat, ivf* first)
 from hil.retrieval.backends import centroid, muvera  # noqa: F401
 from hil.retrieval.backends.base import BACKENDS, SearchBackend

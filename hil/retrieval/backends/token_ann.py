@@ -25,7 +25,7 @@ from typing import Any, ClassVar, Sequence
 import numpy as np
 import torch
 
-from hil.data.errors import UserError
+from hil.errors import UserError
 from hil.modeling.contracts import EncodedBatch
 from hil.provenance import atomic_output
 from hil.retrieval.backends.base import Candidates, SearchBackend

@@ -1,10 +1,10 @@
-"""``python -m hil.analysis``: the analysis report of a retriever on a BEIR dataset (Markdown, JSON, PNG figures).
+"""``hil analyze``: the analysis report of a retriever on a BEIR dataset (Markdown, JSON, PNG figures).
 
 Examples:
-    python -m hil.analysis --model runs/hil/export --compare-model runs/colbert/export --dataset scifact --output out
-    python -m hil.analysis --model sentence-transformers/all-MiniLM-L6-v2 --transform whitening --dataset scifact \\
+    hil analyze --model runs/hil/export --compare-model runs/colbert/export --dataset scifact --output out
+    hil analyze --model sentence-transformers/all-MiniLM-L6-v2 --transform whitening --dataset scifact \\
         --output docs/analysis-scifact
-    python -m hil.analysis --model bert-tiny-splade --dataset scifact --max-queries 20 --max-docs 300 --output /tmp/a
+    hil analyze --model bert-tiny-splade --dataset scifact --max-queries 20 --max-docs 300 --output /tmp/a
 
 Writes OUTPUT/report.md, OUTPUT/report.json and OUTPUT/*.png. Indexes go to --index-root (shared with evaluate.py,
 so a model indexed once is reused).
@@ -12,22 +12,21 @@ so a model indexed once is reused).
 
 from __future__ import annotations
 
-import argparse
-import json
 import shlex
 import sys
+from typing import Optional
 
 import torch
 
-from hil.data.errors import exit_status
-from hil.data.option_files import parse_with_option_files
+from hil.cli.parsers import CommandParser, returns_status
+from hil.errors import exit_status
 from hil.evaluation.statistics import P_ADJUST_METHODS
 from hil.retrieval.backends.configs import BACKEND_KINDS
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hil analyze", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> CommandParser:
+    summary, _, details = (__doc__ or "").partition("\n\n")
+    parser = CommandParser(prog="hil analyze", description=summary, epilog=details)
     parser.add_argument("--model", required=True, help="export directory, .ckpt, backbone name, or \"iso+aniso\"")
     parser.add_argument("--compare-model", default=None,
                         help="a second model; the reference of the per-layer log-difference (001 Fig. 5)")
@@ -48,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ncandidates", type=int, default=None)
     parser.add_argument("--backend", "--faiss", dest="backend", choices=BACKEND_KINDS, default="flat",
                         help="the index's search back-end (--faiss: the name before 0.2)")
-    parser.add_argument("--backend-params", dest="backend_params", type=json.loads, default=None,
+    parser.add_argument("--backend-params", dest="backend_params", type=Optional[dict], default=None,
                         help='its build-time and search-time settings as JSON, e.g. \'{"ndocs": 512}\' for plaid')
     parser.add_argument("--batch-size", type=int, default=None,
                         help="documents per encoding batch (default: 32 on a CPU, 128 on a GPU)")
@@ -72,14 +71,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@returns_status
 def main(argv: list[str] | None = None) -> int:
     """The command; -> its exit status (2 and one line for an error a user can fix: an option, a file, a model)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    return exit_status("python -m hil.analysis", lambda: run(argv))
+    return exit_status("hil analyze", lambda: run(argv))
 
 
 def run(argv: list[str]) -> int:
-    args = parse_with_option_files(build_parser(), argv)
+    args = build_parser().parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
         import faiss
@@ -99,7 +99,7 @@ def run(argv: list[str]) -> int:
         isotropy_tokens=args.isotropy_tokens,
         vocab_pairs=args.vocab_pairs, vocab_examples=args.vocab_examples, threshold_k=args.threshold_k,
         coe_psi=args.coe_psi, progress=not args.quiet,
-        command="python -m hil.analysis " + " ".join(shlex.quote(a) for a in argv))
+        command="hil analyze " + " ".join(shlex.quote(a) for a in argv))
     report = run_analysis(config)
     print(f"wrote {args.output}/report.md, report.json and {len(report['figures'])} figures")
     for row in report["statistics"]["paired"]:

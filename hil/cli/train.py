@@ -1,8 +1,8 @@
-"""Command-line entry points: ``train.py`` (LightningCLI) and ``evaluate.py``.
+"""``hil fit`` / ``train.py`` / ``hil-train``: the LightningCLI of training.
 
 Errors a user can fix from the config -- a bad or unknown option, a model or data path that is not there, a
 tokenizer without the marker tokens, a malformed data file, a ``--ckpt_path`` that is not a training checkpoint, a
-value our own validation refuses (``hil.data.errors.UserError``), a non-finite loss -- are printed as one line,
+value our own validation refuses (``hil.errors.UserError``), a non-finite loss -- are printed as one line,
 ``error: <what and where>``, with exit status 2 (1 for a non-finite loss), instead of a usage screen or a traceback.
 Anything else (a bug) keeps its traceback; ``HIL_DEBUG=1`` keeps them all.
 """
@@ -20,22 +20,22 @@ import logging  # noqa: E402
 import warnings  # noqa: E402
 import zipfile  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Literal, NoReturn  # noqa: E402
+from typing import Literal  # noqa: E402
 
 import torch  # noqa: E402
 from jsonargparse import Namespace  # noqa: E402
 from lightning_fabric.utilities.exceptions import MisconfigurationException  # noqa: E402
 from pytorch_lightning.cli import LightningArgumentParser, LightningCLI  # noqa: E402
 
-from hil.data.datamodule import TriplesDataModule  # noqa: E402
-from hil.data.errors import DEBUG_ENV, MissingInputError, UserError, check_output_path, one_line  # noqa: E402
-from hil.data.errors import user_error as _user_error  # noqa: E402
+from hil.data.datamodule import TrainingDataModule  # noqa: E402
+from hil.errors import DEBUG_ENV, MissingInputError, UserError, check_output_path, one_line  # noqa: E402
+from hil.errors import user_error as _user_error  # noqa: E402
 from hil.data.tokenization import MarkerTokenError  # noqa: E402
 from hil.modeling.callbacks import NonFiniteGuard, NonFiniteLossError, ProgressLines, StepReseed  # noqa: E402
 from hil.modeling.module import RetrieverModule  # noqa: E402
-from hil.paths import resolve_config  # noqa: E402
+from hil.cli.parsers import OneLineErrors  # noqa: E402
 
-__all__ = ["DEBUG_ENV", "HILCLI", "check_checkpoint", "evaluate_main", "one_line", "run_train", "train_main",
+__all__ = ["DEBUG_ENV", "HILCLI", "TrainingParser", "check_checkpoint", "one_line", "run_train", "train_main",
            "user_error"]
 
 # Always a user-facing message, wherever raised (besides UserError and its subclasses).
@@ -49,7 +49,7 @@ LIGHTNING_CHECKPOINT_KEYS = ("state_dict", "pytorch-lightning_version")
 
 
 def user_error(error: BaseException) -> BaseException | None:
-    """The user-facing error behind ``error`` (:func:`hil.data.errors.user_error`, with the training errors that
+    """The user-facing error behind ``error`` (:func:`hil.errors.user_error`, with the training errors that
     are always the user's), or None when it looks like a bug."""
     return _user_error(error, also=USER_ERRORS)
 
@@ -83,21 +83,12 @@ def check_checkpoint(path: str | os.PathLike | None, option: str = "--ckpt_path"
                         f"a model's weights instead, use model.init_from")
 
 
-class HILArgumentParser(LightningArgumentParser):
-    """jsonargparse's parser, whose errors are one line (``error: ... (options: train.py fit --help)``), not the
-    40-line usage screen followed by the message."""
-
-    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
-        if os.environ.get(DEBUG_ENV) or not self.exit_on_error:
-            super().error(message, ex)
-        parser = getattr(ex, "subcommand_parser", None) or self
-        prog = parser.prog.replace(" [options]", "")
-        sys.stderr.write(f"error: {one_line(message)} (options: {prog} --help)\n")
-        self.exit(2)
+class TrainingParser(OneLineErrors, LightningArgumentParser):
+    """LightningCLI's parser with the package's one-line errors and recipes by name (:mod:`hil.cli.parsers`)."""
 
 
 class HILCLI(LightningCLI):
-    """LightningCLI over ``RetrieverModule`` and ``TriplesDataModule``, with every run's callbacks as settings:
+    """LightningCLI over ``RetrieverModule`` and ``TrainingDataModule``, with every run's callbacks as settings:
     ``step_reseed`` (per-batch reseeding for exact resume), ``nonfinite_guard`` (``policy: raise | skip``) and
     ``progress_lines`` (``every_n_seconds``, ``when: auto | always | never``: a progress line every 30 s when stdout
     is not a terminal, in place of the progress bar, which a file cannot show); and ``float32_matmul_precision``
@@ -153,19 +144,6 @@ class HILCLI(LightningCLI):
             print(f"exported model to {export_dir}")
 
 
-def resolve_config_arguments(args: list[str]) -> list[str]:
-    """``--config colbert_hil`` (or ``variants/colbert_hil``, ``presets/smoke``): the package's recipe of that name
-    (``hil.paths.resolve_config``), so the YAML files work after ``pip install`` from any folder. Paths that exist,
-    and anything else, are passed on unchanged."""
-    resolved = list(args)
-    for i, arg in enumerate(resolved):
-        if arg == "--config" and i + 1 < len(resolved):
-            resolved[i + 1] = resolve_config(resolved[i + 1])
-        elif arg.startswith("--config="):
-            resolved[i] = "--config=" + resolve_config(arg.removeprefix("--config="))
-    return resolved
-
-
 # Lightning's lines that tell a user of this package nothing: an advertisement, "no GPU / no TPU" on a machine without
 # them (the line that says a GPU is used stays), the warning about ``args`` (ours are the command line itself) and a
 # torch deprecation inside Lightning.
@@ -199,10 +177,10 @@ def run_train(args: list[str] | None = None) -> HILCLI:
     """
     try:
         # The optimizer and schedule are the model's (``model.optimizer``, ``model.lr_scheduler``): no top-level ones.
-        args = resolve_config_arguments(sys.argv[1:] if args is None else args)
+        args = sys.argv[1:] if args is None else list(args)  # --config recipes: TrainingParser.parse_args
         quiet_lightning()
-        return HILCLI(RetrieverModule, TriplesDataModule, args=args, auto_configure_optimizers=False,
-                      parser_class=HILArgumentParser, save_config_kwargs={"overwrite": True})
+        return HILCLI(RetrieverModule, TrainingDataModule, args=args, auto_configure_optimizers=False,
+                      parser_class=TrainingParser, save_config_kwargs={"overwrite": True})
     except Exception as error:
         shown = None if os.environ.get(DEBUG_ENV) else user_error(error)
         if shown is None:
@@ -221,8 +199,3 @@ def train_main(args: list[str] | None = None) -> HILCLI | None:
     cli = run_train(args)
     return None if args is None else cli
 
-
-def evaluate_main(args: list[str] | None = None) -> int:
-    from hil.evaluation.cli import main
-
-    return main(sys.argv[1:] if args is None else args)

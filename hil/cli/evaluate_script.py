@@ -45,7 +45,8 @@ import faiss
 import torch
 from transformers.utils import logging as transformers_logging
 
-from hil.data.errors import UserError, exit_status
+from hil.cli.parsers import CommandParser, namespace_dict, returns_status
+from hil.errors import UserError, exit_status
 from hil.evaluation.evaluate import EvaluationSettings, run_name
 from hil.evaluation.results import format_statistics, format_table
 from hil.evaluation.runner import DatasetSpec, Experiment, ModelSpec, StatisticsSettings, run_experiment
@@ -63,18 +64,11 @@ POSITIVE_OPTIONS = ("k", "ncandidates", "rerank_depth", "relevance_level", "proc
                     "bootstrap_samples")
 
 
-class OneLineParser(argparse.ArgumentParser):
-    """argparse whose errors are a :class:`UserError` (printed by :func:`main` as one line naming the option), not a
-    usage screen followed by the message."""
-
-    def error(self, message: str):
-        raise UserError(f"{message} (see {self.prog} --help)")
-
-
-def json_object(text: str) -> dict[str, Any]:
-    """An argparse ``type``: a JSON object of numbers or booleans (FAISS parameters)."""
+def json_object(text: str | dict[str, Any]) -> dict[str, Any]:
+    """An option's ``type``: a JSON object of numbers or booleans (a back-end's parameters), given as text or (from a
+    ``--config`` file, or already decoded by jsonargparse) as a mapping."""
     try:
-        value = json.loads(text)
+        value = text if isinstance(text, dict) else json.loads(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(f"not valid JSON ({error}): {text!r}") from None
     if not isinstance(value, dict):
@@ -85,8 +79,9 @@ def json_object(text: str) -> dict[str, Any]:
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> CommandParser:
+    summary, _, details = (__doc__ or "").partition("\n\n")
+    parser = CommandParser(prog=PROG, description=summary, epilog=details)
     parser.add_argument("--model", required=True,
                         help="export directory, Lightning .ckpt, or a backbone name/path (ColBERT head untrained)")
     parser.add_argument("--dataset", required=True,
@@ -216,7 +211,7 @@ def experiment_from(args: argparse.Namespace) -> Experiment:
         Path(args.model).name
     return Experiment([dataset], models, output, settings=settings_from(args), statistics=statistics,
                       baseline=not args.no_bm25 or args.mode == "bm25", folders="flat", seed=args.seed,
-                      data_dir=args.data_dir, quiet=True, command=vars(args))
+                      data_dir=args.data_dir, quiet=True, command=namespace_dict(args))
 
 
 def check_arguments(args: argparse.Namespace) -> None:
@@ -252,9 +247,11 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise UserError(f"--{error}") from None  # its messages start with "processes"
 
 
-def main(argv: list[str]) -> int:
+@returns_status
+def main(argv: list[str] | None = None) -> int:
     """``evaluate.py`` with ``argv``; -> the exit status. A user error (see the module docstring) is one line on
     stderr and status 2; ``HIL_DEBUG=1`` raises it with its traceback instead."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     return exit_status(PROG, lambda: run(argv))
 
 
@@ -281,4 +278,4 @@ def run(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

@@ -1,0 +1,197 @@
+"""The one option system of every ``hil`` command: jsonargparse, whose errors are one line.
+
+Every command line of the package -- ``hil fit`` (LightningCLI, :class:`TrainingParser`) and every other
+subcommand, ``evaluate.py`` and the tools (:class:`CommandParser`) -- parses with jsonargparse, so they share:
+
+- one key style: ``--index_root`` (as ``hil fit``'s ``--trainer.max_steps``); the dashed spelling
+  (``--index-root``) is accepted too, so that the commands of earlier releases keep working;
+- ``--config FILE`` (repeatable, options after it win; a recipe of the package by name: ``--config eval/plaid``)
+  and ``--print_config``, which prints the options as resolved, as a file for ``--config``: given back, the same run;
+- errors as one line, ``<prog>: error: <message> (options: <prog> --help)``, exit status 2; a key of a ``--config``
+  file is named with its file and line (``beir.yaml:3: Option 'modle' is not accepted``). ``HIL_DEBUG=1`` keeps
+  jsonargparse's own report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any, Callable, NoReturn, Sequence
+
+import yaml
+from jsonargparse import ActionConfigFile, ArgumentParser, DefaultHelpFormatter
+
+from hil.errors import DEBUG_ENV, one_line
+from hil.paths import resolve_config
+
+CONFIG_OPTION = "--config"
+
+
+def resolve_config_arguments(args: Sequence[str]) -> list[str]:
+    """``--config colbert_hil`` (or ``eval/plaid``, ``presets/smoke``): the package's recipe of that name
+    (:func:`hil.paths.resolve_config`), so the YAML files work after ``pip install`` from any folder. Paths that
+    exist, and anything else, are passed on unchanged."""
+    resolved = list(args)
+    for i, arg in enumerate(resolved):
+        if arg == CONFIG_OPTION and i + 1 < len(resolved):
+            resolved[i + 1] = resolve_config(resolved[i + 1])
+        elif arg.startswith(CONFIG_OPTION + "="):
+            resolved[i] = f"{CONFIG_OPTION}=" + resolve_config(arg.removeprefix(CONFIG_OPTION + "="))
+    return resolved
+
+
+def config_files(argv: Sequence[str]) -> list[str]:
+    """The ``--config`` files of a command line, in order."""
+    files = [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == CONFIG_OPTION]
+    return files + [arg.split("=", 1)[1] for arg in argv if arg.startswith(CONFIG_OPTION + "=")]
+
+
+def located(message: str, argv: Sequence[str]) -> str:
+    """``message`` prefixed with the ``--config`` file and line that hold the key it names (``Option 'x'``,
+    ``Parser key "a.x"``), when one does; else as it is."""
+    named = re.search(r"[Oo]ption '([^']+)'", message) or re.search(r'[Kk]ey "([^"]+)"', message)
+    files = config_files(argv)
+    if named is None or not files:
+        return message
+    key = named.group(1).split(".")[-1]
+    for file in reversed(files):  # later files win: the last one naming the key is the one read
+        try:
+            lines = Path(file).read_text(encoding="utf-8").splitlines()
+        except OSError:
+            continue
+        for number, line in enumerate(lines, 1):
+            if re.match(rf"\s*(- )?{re.escape(key)}\s*:", line) or re.search(rf"[{{,]\s*{re.escape(key)}\s*:", line):
+                return f"{file}:{number}: {message}"
+    return message
+
+
+def yaml_problem(file: str) -> str | None:
+    """``<file>:<line>: not valid YAML (<what>)`` when ``file`` is a readable file that YAML cannot parse; else None
+    (a missing file is jsonargparse's to report)."""
+    try:
+        text = Path(file).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+    try:
+        yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark is not None else ""
+        return f"{file}{where}: not valid YAML ({getattr(error, 'problem', None) or 'unreadable'})"
+    return None
+
+
+class OneLineErrors:
+    """What both parser classes add to jsonargparse's: package recipes for ``--config``, and one-line errors that
+    name the ``--config`` file and line of a refused key (the module docstring)."""
+
+    argv: list[str] = []
+    refused: str | None = None  # the last refusal, without the program's name (for callers that re-raise it)
+
+    def parse_args(self, args: Sequence[str] | None = None, *rest: Any, **kwargs: Any) -> Any:
+        self.argv = resolve_config_arguments(sys.argv[1:] if args is None else args)
+        for file in config_files(self.argv):  # jsonargparse names neither the file nor the line of a YAML error
+            if (problem := yaml_problem(file)) is not None:
+                self.error(problem)
+        return super().parse_args(self.argv, *rest, **kwargs)  # type: ignore[misc]
+
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        if os.environ.get(DEBUG_ENV) or not self.exit_on_error:  # type: ignore[attr-defined]
+            super().error(message, ex)  # type: ignore[misc]
+        parser = getattr(ex, "subcommand_parser", None) or self
+        prog = parser.prog.replace(" [options]", "")  # type: ignore[attr-defined]
+        self.refused = located(" ".join(one_line(message).split()), self.argv)
+        sys.stderr.write(f"{prog}: error: {self.refused} (options: {prog} --help)\n")
+        self.exit(2)  # type: ignore[attr-defined]
+
+
+def plain_text(text: str | None) -> str | None:
+    """A docstring as a terminal shows it: reST's markup taken out (````x```` -> ``x``, ``:class:`~a.b.C``` ->
+    ``C``, ``:func:`a.f``` -> ``a.f``, a literal block's ``::`` -> ``:``)."""
+    if not text:
+        return text
+    text = re.sub(r":[a-z]+:`~[\w.]*\.(\w+)`", r"\1", text)  # :class:`~hil.x.Y` -> Y (the short form asked for)
+    text = re.sub(r":[a-z]+:`([^`]+)`", r"\1", text)
+    text = re.sub(r"``([^`]+)``", r"\1", text)
+    return re.sub(r"::$", ":", text, flags=re.MULTILINE)
+
+
+class HelpFormatter(DefaultHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """jsonargparse's help, with the description and epilog (a command's docstring) laid out as written, and every
+    text -- docstrings of the settings classes included -- as plain text (:func:`plain_text`)."""
+
+    def _format_text(self, text: str) -> str:
+        return super()._format_text(plain_text(text) or "")
+
+    def start_section(self, heading: str | None) -> None:
+        super().start_section(plain_text(heading))
+
+    def _expand_help(self, action: argparse.Action) -> str:
+        return plain_text(super()._expand_help(action)) or ""
+
+
+class CommandParser(OneLineErrors, ArgumentParser):
+    """The parser of every command but ``hil fit``: jsonargparse with ``--config`` / ``--print_config`` built in, and
+    every long option under its underscore name with the dashed spelling accepted beside it."""
+
+    flags: list[str] = []  # the dests of store_true / store_false options
+
+    def __init__(self, *args: Any, config_option: bool = True, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+        if config_option:
+            super().add_argument(CONFIG_OPTION, action=ActionConfigFile,
+                                 help="a YAML file of options (repeatable; options after it win), or a recipe's "
+                                      "name; see --print_config")
+
+    def add_argument(self, *names: str, **kwargs: Any) -> Any:
+        """``--index-root`` (or ``--index_root``) is added as ``--index_root``, the key in ``--config`` files, with
+        ``--index-root`` accepted beside it."""
+        spelled: list[str] = []
+        for name in names:
+            if name.startswith("--") and "." not in name:  # a class's nested keys keep jsonargparse's own names
+                key = name[2:]
+                both = dict.fromkeys(("--" + key.replace("-", "_"), "--" + key.replace("_", "-")))
+                spelled += [n for n in both if n not in spelled]
+            elif name not in spelled:
+                spelled.append(name)
+        action = super().add_argument(*spelled, **kwargs)
+        if kwargs.get("action") in ("store_true", "store_false"):
+            self.flags = [*self.flags, action.dest]
+        return action
+
+    def parse_args(self, args: Sequence[str] | None = None, *rest: Any, **kwargs: Any) -> Any:
+        """As jsonargparse's, and a flag set from a file must be true or false (argparse's ``store_true`` takes any
+        value a YAML file gives it)."""
+        parsed = super().parse_args(args, *rest, **kwargs)
+        for flag in self.flags:
+            if not isinstance(value := parsed.get(flag), bool):
+                self.error(f"Option '{flag}' is a flag: true or false (got {value!r})")
+        return parsed
+
+
+def namespace_dict(namespace: Any) -> dict[str, Any]:
+    """A parsed command line as a plain dict, without ``--config`` (the files are not a setting: what they set is)."""
+    values = namespace.as_dict() if hasattr(namespace, "as_dict") else dict(vars(namespace))
+    values.pop("config", None)
+    values.pop("__path__", None)
+    return values
+
+
+def returns_status(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | None], int]:
+    """A command's ``main(argv)`` that returns the parser's own exit status (0 after ``--help`` or
+    ``--print_config``, 2 after a refused option, its one line already printed) instead of raising ``SystemExit``:
+    every ``main`` returns its status, called from Python as from a console script."""
+
+    @functools.wraps(main)
+    def status(argv: list[str] | None = None) -> int:
+        try:
+            return main(argv)
+        except SystemExit as stop:
+            return stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 2)
+
+    return status

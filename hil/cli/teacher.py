@@ -1,0 +1,66 @@
+"""``hil teacher``: distillation data made here -- candidates mined, scored by a teacher, written as n-way examples
+(:mod:`hil.experiments.teacher`, whose docstring is this command's help)."""
+
+from __future__ import annotations
+
+import sys
+
+from transformers.utils import logging as transformers_logging
+
+from hil.cli.parsers import CommandParser, returns_status
+from hil.errors import check_output_path, exit_status
+from hil.experiments import teacher
+from hil.experiments.teacher import FORMATS
+from hil.experiments.teacher_models import KINDS
+
+PROG = "hil teacher"
+
+
+def build_parser() -> CommandParser:
+    summary, _, details = (teacher.__doc__ or "").partition("\n\n")
+    parser = CommandParser(prog=PROG, description=summary, epilog=details)
+    parser.add_argument("--queries", help="qid TAB text (a path, or relative to HIL_DATA_DIR)")
+    parser.add_argument("--collection", help="pid TAB text (with --queries)")
+    parser.add_argument("--dataset", help="a BEIR dataset name or folder instead of --queries/--collection")
+    parser.add_argument("--split", default="train", help="the BEIR split whose judged queries are used")
+    parser.add_argument("--data-dir", default=None, help="overrides HIL_DATA_DIR")
+    parser.add_argument("--qrels", help="judgments for --positives first (BEIR TSV or TREC qrels; with --queries)")
+    parser.add_argument("--positives", choices=("none", "first"), default="none",
+                        help="first: each query's judged positive leads its line (default none: the teacher ranks)")
+    parser.add_argument("--relevance-level", type=int, default=1, help="the least grade that is a positive")
+    parser.add_argument("--miner", default="bm25", help="bm25, or a model hil loads")
+    parser.add_argument("--index-root", default=None,
+                        help="a model miner searches an index built here (default: exact, in memory)")
+    parser.add_argument("--depth", type=int, default=100, help="candidates mined per query")
+    parser.add_argument("--nway", type=int, default=32, help="documents written per query")
+    parser.add_argument("--teacher", required=True, help="a model hil loads, or a Hugging Face model")
+    parser.add_argument("--teacher-kind", choices=KINDS, default="auto")
+    parser.add_argument("--batch-size", type=int, default=32, help="pairs (or texts) per teacher forward pass")
+    parser.add_argument("--max-length", type=int, default=None, help="tokens per pair or text (Hugging Face teachers)")
+    parser.add_argument("--max-queries", type=int, default=None, help="only the first N queries")
+    parser.add_argument("--format", choices=FORMATS, default="colbert")
+    parser.add_argument("--output", required=True, help="the examples file to write")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    return parser
+
+
+@returns_status
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.quiet:
+        transformers_logging.disable_progress_bar()
+    def make_and_report() -> int:
+        check_output_path(args.output, "--output", folder=False)  # before mining and scoring, not after
+        record = teacher.run(args)
+        counts = record["counts"]
+        print(f"wrote {counts['written']} of {counts['queries']} queries to {record['files']['examples']} "
+              f"({record['files']['meta']}); train from it: hil fit ... --data.teacher_output "
+              f"{record['files']['examples']}")
+        return 0
+
+    return exit_status(PROG, make_and_report)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
