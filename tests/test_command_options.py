@@ -208,3 +208,24 @@ def test_evaluate_script_prints_and_reads_back_its_options(tmp_path, capsys):
     path.write_text(yaml.safe_dump(first))
     assert evaluate_script(["--config", str(path), "--print_config"]) == 0
     assert yaml.safe_load(capsys.readouterr().out) == first
+
+
+def test_help_of_every_command_but_training_loads_no_torch():
+    """``hil <command> --help`` imports what builds the parser, not what the command runs (torch, transformers,
+    scipy, FAISS): the help of every command but fit/validate/test/predict (the LightningCLI, which reads the
+    LightningModule's signature) comes without them. One process; after each command, what it loaded."""
+    import subprocess
+    import sys
+
+    commands = ["evaluate", "index", "search", "beir", "paper", "teacher", "engines", "analyze", "share"]
+    probe = ("import io, sys, contextlib\nfrom hil.cli.main import main\nfrom hil.cli.evaluate_script import main as script\n"
+             f"for command in {commands!r} + ['evaluate.py']:\n"
+             "    with contextlib.redirect_stdout(io.StringIO()):\n"
+             "        status = script(['--help']) if command == 'evaluate.py' else main([command, '--help'])\n"
+             "    heavy = sorted(m for m in ('torch', 'transformers', 'scipy', 'faiss') if m in sys.modules)\n"
+             "    print(command, status, ','.join(heavy) or '-')\n")
+    shown = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    lines = shown.stdout.split("\n")
+    assert [line for line in lines if line] == [f"{command} 0 -" for command in [*commands, "evaluate.py"]], \
+        shown.stdout

@@ -143,10 +143,10 @@ def test_sizes_left_unset_follow_the_device():
     """A CPU keeps the batch sizes measured there; a GPU gets large batches and tokenizers running ahead; sizes given
     are kept on either."""
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
-    assert EvaluationSettings().for_device(cpu).batch_size == 32
-    assert (EvaluationSettings().for_device(cpu).query_batch_size, EvaluationSettings().for_device(cpu).tokenizer_workers) \
+    assert EvaluationSettings().for_device(cpu.type).batch_size == 32
+    assert (EvaluationSettings().for_device(cpu.type).query_batch_size, EvaluationSettings().for_device(cpu.type).tokenizer_workers) \
         == (64, 0)
-    on_gpu = EvaluationSettings().for_device(gpu)
+    on_gpu = EvaluationSettings().for_device(gpu.type)
     assert (on_gpu.batch_size, on_gpu.query_batch_size, on_gpu.tokenizer_workers) == (128, 1024, 2)
     given = EvaluationSettings(batch_size=8, query_batch_size=3, tokenizer_workers=1)
-    assert given.for_device(gpu) == given == given.for_device(cpu)
+    assert given.for_device(gpu.type) == given == given.for_device(cpu.type)

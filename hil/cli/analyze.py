@@ -16,8 +16,6 @@ import shlex
 import sys
 from typing import Optional
 
-import torch
-
 from hil.cli.parsers import CommandParser, returns_status
 from hil.errors import exit_status
 from hil.evaluation.statistics import P_ADJUST_METHODS
@@ -80,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    import torch
+
     if args.threads:
         torch.set_num_threads(args.threads)
         import faiss

@@ -7,22 +7,19 @@ import argparse
 import sys
 from typing import Optional
 
-from transformers.utils import logging as transformers_logging
-
-from hil.cli.parsers import CommandParser, namespace_dict, returns_status
+from hil.cli.parsers import CommandParser, module_doc, namespace_dict, returns_status
 from hil.errors import exit_status
-from hil.evaluation.evaluate import MODES
+from hil.evaluation.settings import MODES
 from hil.evaluation.statistics import P_ADJUST_METHODS
-from hil.experiments import beir
 from hil.experiments.beir_sets import BY_KEY
 from hil.retrieval.backends.configs import BACKEND_KINDS
-from hil.retrieval.devices import PRECISIONS
+from hil.retrieval.choices import PRECISIONS
 
 PROG = "hil beir"
 
 
 def build_parser() -> CommandParser:
-    summary, _, details = (beir.__doc__ or "").partition("\n\n")
+    summary, details = module_doc("hil.experiments.beir")
     parser = CommandParser(prog=PROG, description=summary, epilog=details)
     add = parser.add_argument
     add("--model", action="append", required=True, metavar="[NAME=]PATH",
@@ -65,6 +62,10 @@ def build_parser() -> CommandParser:
 @returns_status
 def main(argv: list[str] | None = None) -> int:
     args = argparse.Namespace(**namespace_dict(build_parser().parse_args(argv)))
+    from transformers.utils import logging as transformers_logging
+
+    from hil.experiments import beir
+
     if args.quiet:
         transformers_logging.disable_progress_bar()
     return exit_status(PROG, lambda: beir.run(args))

@@ -6,15 +6,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from hil.cli.parsers import CommandParser, returns_status
-from hil.data.beir import load_beir
+from hil.cli.parsers import CommandParser, module_doc, returns_status
 from hil.errors import UserError, exit_status
-from hil.experiments import engines
-from hil.experiments.engines import engine_study, model_specs
 
 
 def build_parser() -> CommandParser:
-    summary, _, details = (engines.__doc__ or "").partition("\n\n")
+    summary, details = module_doc("hil.experiments.engines")
     parser = CommandParser(prog="hil engines", description=summary, epilog=details)
     parser.add_argument("--models", required=True, help="comma-separated name=path (exports, checkpoints, ...)")
     parser.add_argument("--dataset", required=True, help="a BEIR name or folder")
@@ -38,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_command(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
+    from hil.data.beir import load_beir
+    from hil.experiments.engines import engine_study, model_specs
+
     if args.depth < 1 or args.max_tokens < 2:
         raise UserError("--depth must be >= 1 and --max-tokens >= 2")
     models = model_specs(args.models)

@@ -39,22 +39,17 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Any
-
-import faiss
-import torch
-from transformers.utils import logging as transformers_logging
+from typing import TYPE_CHECKING, Any
 
 from hil.cli.parsers import CommandParser, namespace_dict, returns_status
 from hil.errors import UserError, exit_status
-from hil.evaluation.evaluate import EvaluationSettings, run_name
-from hil.evaluation.results import format_statistics, format_table
-from hil.evaluation.runner import DatasetSpec, Experiment, ModelSpec, StatisticsSettings, run_experiment
 from hil.evaluation.statistics import P_ADJUST_METHODS
 from hil.retrieval.backends.configs import BACKEND_KINDS, configs_from_params, with_search_values
-from hil.retrieval.corpus_encoding import check_processes
-from hil.retrieval.devices import PRECISIONS, check_precision, resolve_device
-from hil.retrieval.fast_encode import DOCUMENT_ENCODINGS
+from hil.retrieval.choices import DOCUMENT_ENCODINGS, PRECISIONS
+
+if TYPE_CHECKING:  # the functions import what they run: --help loads no torch
+    from hil.evaluation.evaluate import EvaluationSettings
+    from hil.evaluation.runner import Experiment
 
 PROG = "evaluate.py"
 # Integer options that must be >= 1 when given (checked by ``check_arguments``, named in the message).
@@ -180,6 +175,8 @@ def build_parser() -> CommandParser:
 
 def settings_from(args: argparse.Namespace) -> EvaluationSettings:
     """The evaluation settings the command line asks for (BM25-only runs use none)."""
+    from hil.evaluation.evaluate import EvaluationSettings
+
     backend, search = configs_from_params(args.backend, args.backend_params)
     search = with_search_values(args.backend, search, {"ncandidates": args.ncandidates})
     return EvaluationSettings(
@@ -197,6 +194,9 @@ def settings_from(args: argparse.Namespace) -> EvaluationSettings:
 def experiment_from(args: argparse.Namespace) -> Experiment:
     """The experiment the command line describes: one dataset (sliced, with its first-stage run), the model as is and
     under each ``--transform``, BM25 or the run file as baseline, written into ``--output`` itself."""
+    from hil.evaluation.evaluate import run_name
+    from hil.evaluation.runner import DatasetSpec, Experiment, ModelSpec, StatisticsSettings
+
     dataset = DatasetSpec(args.dataset, split=args.split, first_stage_run=args.first_stage_run,
                           rerank_depth=args.rerank_depth, relevance_level=args.relevance_level,
                           max_queries=args.max_queries, max_docs=args.max_docs)
@@ -219,6 +219,9 @@ def check_arguments(args: argparse.Namespace) -> None:
     combination of options, FAISS parameters the back-end does not take, a device or precision not there; fills in
     the default ``--mode``. (Parameters that do not fit the corpus, such as an IVF ``nlist`` above its number of
     token vectors, are refused by the back-end once the corpus is encoded.)"""
+    from hil.retrieval.corpus_encoding import check_processes
+    from hil.retrieval.devices import check_precision, resolve_device
+
     if args.mode is None:
         args.mode = "rerank" if args.first_stage_run else "full"
     for option in POSITIVE_OPTIONS:
@@ -257,7 +260,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(argv: list[str]) -> int:
     """Evaluate as ``argv`` asks and write the results; user errors are raised (``main`` prints them)."""
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)  # before the imports below: --help and refused options load no torch
+    import faiss
+    import torch
+    from transformers.utils import logging as transformers_logging
+
+    from hil.evaluation.results import format_statistics, format_table
+    from hil.evaluation.runner import run_experiment
+
     if any(arg.split("=")[0] in ("--faiss", "--faiss-params") for arg in argv):
         logging.getLogger(__name__).warning("--faiss / --faiss-params are deprecated (one release): use --backend / "
                                             "--backend-params")

@@ -107,10 +107,10 @@ def parse_experiment(argv: list[str], prog: str, *, run_file: bool = False) -> E
 
 def evaluate_command(argv: list[str]) -> int:
     """Run the experiment (``--print_config``: print it as YAML, jsonargparse's own, and stop)."""
+    experiment = parse_experiment(argv, f"{PROG} evaluate")  # first: --help and refusals load no model code
     from hil.evaluation.results import format_statistics, format_table
     from hil.evaluation.runner import run_experiment
 
-    experiment = parse_experiment(argv, f"{PROG} evaluate")
     for result in run_experiment(experiment):
         dataset = result.dataset
         print(f"\n{dataset.name} ({dataset.split}: {len(dataset.queries)} queries, {len(dataset.corpus)} documents)")
@@ -130,11 +130,11 @@ def single(experiment: Experiment, what: str) -> tuple[ModelSpec, DatasetSpec, E
 
 def index_command(argv: list[str]) -> int:
     """Build the index of one model over one dataset's corpus (or check and reuse it); print where it is."""
+    experiment = parse_experiment(argv, f"{PROG} index")
     from hil.data.beir import load_beir
     from hil.evaluation.evaluate import document_store, place_encoder
     from hil.evaluation.runner import load_model
 
-    experiment = parse_experiment(argv, f"{PROG} index")
     model, dataset_spec, settings = single(experiment, "hil index")
     if settings.index_root is None:
         raise UserError("hil index writes an index: give --settings.index_root")
@@ -151,9 +151,9 @@ def search_command(argv: list[str]) -> int:
     """One model's ranking of one dataset's queries, written as a TREC run (``--output`` is the run file; the
     experiment's column files, which let a rerun with the same settings reuse the ranking, go to
     ``<output>.parts/``, whose run is the same file as ``--output``: a hard link, not a second copy)."""
+    experiment = parse_experiment(argv, f"{PROG} search", run_file=True)
     from hil.evaluation.runner import run_experiment
 
-    experiment = parse_experiment(argv, f"{PROG} search", run_file=True)
     single(experiment, "hil search")
     folder = Path(experiment.output)
     run_file = folder.with_name(folder.name[: -len(".parts")])

@@ -9,21 +9,17 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from hil.cli.parsers import CommandParser, returns_status
+from hil.cli.parsers import CommandParser, module_doc, returns_status
 from hil.errors import DEBUG_ENV, UserError, one_line, user_error
 from hil.evaluation.statistics import P_ADJUST_METHODS
-from hil.experiments import paper
-from hil.experiments.paper import (ExperimentError, log, names, publish, publish_seeds, run_profile, run_seeds,
-                                   seed_list, write_outputs)
 from hil.experiments.profiles import DATASETS, PROFILES, REPO_CONFIGS, VARIANTS
-from hil.experiments.seed_report import write_seed_report
-from hil.retrieval.devices import PRECISIONS, check_precision, resolve_device
+from hil.retrieval.choices import PRECISIONS
 
 PROG = "hil paper"
 
 
 def build_parser() -> CommandParser:
-    summary, _, details = (paper.__doc__ or "").partition("\n\n")
+    summary, details = module_doc("hil.experiments.paper")
     parser = CommandParser(prog=PROG, description=summary, epilog=details)
     parser.add_argument("--profile", choices=sorted(PROFILES), default="cpu")
     parser.add_argument("--output", "--out", default=None, help="output folder (default results/<profile>)")
@@ -65,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as error:
         if os.environ.get(DEBUG_ENV):
             raise
+        from hil.experiments.paper_columns import ExperimentError
+
         shown = error if isinstance(error, ExperimentError) else user_error(error)
         if shown is None:
             raise
@@ -73,8 +71,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_command(argv: list[str] | None) -> int:
-
     args = build_parser().parse_args(argv)
+    from hil.experiments.paper import (log, names, publish, publish_seeds, run_profile, run_seeds, seed_list,
+                                       write_outputs)
+    from hil.experiments.seed_report import write_seed_report
+    from hil.retrieval.devices import check_precision, resolve_device
+
     profile = PROFILES[args.profile]
     if args.max_steps is not None:
         if args.max_steps < 1:

@@ -174,6 +174,18 @@ class CommandParser(OneLineErrors, ArgumentParser):
         return parsed
 
 
+def module_doc(module: str) -> tuple[str, str]:
+    """The docstring of ``module`` as a parser's (description, epilog): its first paragraph and the rest, read from
+    the source without importing it (a command's ``--help`` loads nothing of what the command runs)."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec(module)
+    source = Path(spec.origin).read_text(encoding="utf-8") if spec is not None and spec.origin else ""
+    summary, _, details = (ast.get_docstring(ast.parse(source)) or "").partition("\n\n")
+    return summary, details
+
+
 def namespace_dict(namespace: Any) -> dict[str, Any]:
     """A parsed command line as a plain dict, without ``--config`` (the files are not a setting: what they set is)."""
     values = namespace.as_dict() if hasattr(namespace, "as_dict") else dict(vars(namespace))

@@ -5,19 +5,15 @@ from __future__ import annotations
 
 import sys
 
-from transformers.utils import logging as transformers_logging
-
-from hil.cli.parsers import CommandParser, returns_status
+from hil.cli.parsers import CommandParser, module_doc, returns_status
 from hil.errors import check_output_path, exit_status
-from hil.experiments import teacher
-from hil.experiments.teacher import FORMATS
-from hil.experiments.teacher_models import KINDS
+from hil.experiments.teacher_settings import FORMATS, KINDS
 
 PROG = "hil teacher"
 
 
 def build_parser() -> CommandParser:
-    summary, _, details = (teacher.__doc__ or "").partition("\n\n")
+    summary, details = module_doc("hil.experiments.teacher")
     parser = CommandParser(prog=PROG, description=summary, epilog=details)
     parser.add_argument("--queries", help="qid TAB text (a path, or relative to HIL_DATA_DIR)")
     parser.add_argument("--collection", help="pid TAB text (with --queries)")
@@ -48,6 +44,10 @@ def build_parser() -> CommandParser:
 @returns_status
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from transformers.utils import logging as transformers_logging
+
+    from hil.experiments import teacher
+
     if args.quiet:
         transformers_logging.disable_progress_bar()
     def make_and_report() -> int:

@@ -14,11 +14,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from hil.errors import UserError, check_output_path
-from hil.evaluation.evaluate import EvaluationSettings, run_name
 from hil.evaluation.metrics import canonical_metrics
+from hil.evaluation.settings import EvaluationSettings, run_name
 from hil.evaluation.statistics import P_ADJUST_METHODS
-from hil.modeling.contracts import Encoder
-from hil.modeling.loading import split_ensemble_source
 
 BASELINE = "bm25"  # the baseline column's name, whether BM25 or a dataset's first-stage run
 EXPORT_FOLDER_NAMES = ("export",)  # train.py --export_dir folders: a column is named after their parent
@@ -81,17 +79,18 @@ class ModelSpec:
         name = self.name or column_name(self.source)
         return name.replace("{seed}", str(self.seed)) if self.seed is not None else name
 
-    def column_for(self, encoder: Encoder, mode: str) -> str:
-        return run_name(self.column.format(architecture=encoder.architecture, mode=mode))
+    def column_for(self, architecture: str, mode: str) -> str:
+        """The column of this model once loaded (``architecture``: its encoder's) in evaluation ``mode``."""
+        return run_name(self.column.format(architecture=architecture, mode=mode))
 
     @property
     def method_name(self) -> str:
         """The method this model's column belongs to in seed statistics (``method``, else its column)."""
         return self.method or self.column
 
-    def transform_column(self, encoder: Encoder, mode: str, transform: str) -> str:
-        return run_name(self.transform_name.format(column=self.column_for(encoder, mode), mode=mode,
-                                                   architecture=encoder.architecture, transform=transform,
+    def transform_column(self, architecture: str, mode: str, transform: str) -> str:
+        return run_name(self.transform_name.format(column=self.column_for(architecture, mode), mode=mode,
+                                                   architecture=architecture, transform=transform,
                                                    transform_mode=self.transform_mode))
 
     def overrides(self) -> dict[str, int]:
@@ -214,6 +213,8 @@ class Experiment:
 
 def column_name(source: str) -> str:
     """A model's column when not named: its folder's (or checkpoint's) name; an export folder's parent's."""
+    from hil.modeling.loading import split_ensemble_source
+
     members = split_ensemble_source(source)
     if members is not None:
         return run_name("+".join(column_name(member) for member in members))

@@ -276,7 +276,7 @@ class DatasetRun:
             set_corpus_idf(encoder, self.dataset, spec.source)
         fingerprint = encoder_fingerprint(encoder)
         evaluation_id = evaluation_identity(settings, self.baseline_id, self.depth)
-        column = spec.column_for(encoder, settings.mode)
+        column = spec.column_for(encoder.architecture, settings.mode)
         model = {"name": column, "source": spec.source, "fingerprint": fingerprint,
                  "architecture": encoder.architecture, "settings": encoder.settings(), "idf": spec.idf}
         model_id: dict[str, Any] = {"fingerprint": fingerprint}
@@ -301,7 +301,7 @@ class DatasetRun:
                            "the same settings)")
             yield Column(column, record)
         for transform in spec.transforms:
-            name = spec.transform_column(encoder, settings.mode, transform)
+            name = spec.transform_column(encoder.architecture, settings.mode, transform)
             fitted = {"transform": transform, "mode": spec.transform_mode, "max_tokens": spec.transform_max_tokens,
                       "seed": experiment.seed}
             transform_id = {**identity, "column": {**model_id, "transform": fitted}}
@@ -399,7 +399,7 @@ def run_experiment(experiment: Experiment, on_dataset: Callable[[DatasetResult],
             columns.append(baseline)
         transforms_of: dict[str, str] = {}
         for model in experiment.models:
-            plain = model.column_for(encoders[model.column], part.settings.mode)
+            plain = model.column_for(encoders[model.column].architecture, part.settings.mode)
             for column in part.model_columns(model, encoders[model.column]):
                 if any(column.name == seen.name for seen in columns):
                     raise UserError(f"two columns are named {column.name!r} on {spec.name}; name the models")

@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Literal, Mapping, MutableMapping, Sequence, Union
 
 import numpy as np
-from scipy import stats as scipy_stats
 
 
 PerQuery = Union[Mapping[str, float], Sequence[float], np.ndarray]
@@ -204,6 +203,7 @@ def paired_t_test(a: PerQuery, b: PerQuery, on: Align = "same") -> PairedTestRes
     runs are indistinguishable. When the differences are a nonzero constant, scipy's t is infinite and p = 0;
     that is passed through.
     """
+    from scipy import stats as scipy_stats  # here, not at the top: --help needs no scipy
     va, vb = _align(a, b, on)
     if va.size < 2:
         raise ValueError("a paired t-test needs at least 2 queries")
@@ -263,6 +263,7 @@ def paired_permutation_test(a: PerQuery, b: PerQuery, n_permutations: int = 1000
     enumerates whenever ``n_permutations >= 2^n``, so ``exact=False`` with so few queries also gives the exact
     p; ``method`` says which was done. ``statistic`` is the observed (signed) mean difference.
     """
+    from scipy import stats as scipy_stats  # here, not at the top: --help needs no scipy
     va, vb = _align(a, b, on)
     diff = va - vb  # (n,)
     n = diff.size
@@ -296,6 +297,7 @@ def paired_bootstrap_test(a: PerQuery, b: PerQuery, n_samples: int = 10000, seed
     (``mean(d*) - mean(d)``), and ``p = (1 + #{|mean(d*) - mean(d)| >= |mean(d)|}) / (1 + n_samples)``, ties
     within :func:`_tie_tolerance`. Identical runs give p = 1.
     """
+    from scipy import stats as scipy_stats  # here, not at the top: --help needs no scipy
     va, vb = _align(a, b, on)
     diff = va - vb  # (n,)
     n = diff.size
@@ -346,6 +348,7 @@ def adjust_p_values(p_values: Sequence[float | None] | np.ndarray, method: str =
     (the raw values). A NaN or None (a comparison that could not be tested) stays NaN and is not counted in the
     family size m. Every adjusted value lies in [raw, 1], and the order of the raw values is kept.
     """
+    from scipy import stats as scipy_stats  # here, not at the top: --help needs no scipy
     if method not in P_ADJUST_METHODS:
         raise ValueError(f"p-value adjustment must be one of {', '.join(P_ADJUST_METHODS)}, got {method!r}")
     p = np.asarray([np.nan if v is None else v for v in p_values], dtype=float).reshape(-1)

@@ -62,7 +62,6 @@ from hil.retrieval.progress import progress_bar
 from hil.retrieval.search import exact_rank
 from hil.retrieval.full_ranking import full_rank
 
-FORMATS = ("colbert", "pylate", "trec")
 POSITIVE_OPTIONS = ("depth", "batch_size", "max_queries", "max_length", "relevance_level")
 # Queries scored per call of the teacher: the progress bar's step. Scores equal one call's to float rounding (a
 # cross-encoder's length-sorted batches then pad otherwise).

@@ -31,7 +31,6 @@ from hil.modeling.hub import local_model_dir
 from hil.modeling.loading import load_encoder
 from hil.retrieval.search import rerank
 
-KINDS = ("auto", "colbert", "cross-encoder", "dense")
 Candidates = dict[str, list[str]]
 _QUERY_CHUNK = 256  # queries whose candidates a dense teacher embeds together
 

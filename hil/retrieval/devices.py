@@ -22,10 +22,11 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from hil.retrieval.choices import PRECISIONS  # noqa: F401  (re-exported: the autocasts this module applies)
+
 logger = logging.getLogger(__name__)
 
 DEVICE_CHOICES = "auto, cpu, cuda or cuda:N"
-PRECISIONS = ("fp32", "fp16", "bf16")
 _AUTOCAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 _warned_faiss_cpu: list[bool] = []  # the faiss-cpu notice is given once per process
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")

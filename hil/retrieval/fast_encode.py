@@ -32,11 +32,11 @@ from torch import nn
 from hil.modeling.contracts import Encoder
 from hil.modeling.encoder import MultiVectorEncoder
 from hil.retrieval.encoding import DocumentEncoderView
+from hil.retrieval.choices import DOCUMENT_ENCODINGS
 from hil.retrieval.onnx_encode import ONNX_MODES, onnx_document_encoder
 from hil.retrieval.smoothing import DEFAULT_ALPHA, activation_ranges, smooth_backbone
 
 QUANTIZE_MODES = ("int8",)
-DOCUMENT_ENCODINGS = ("compile", "int8", "onnx", "onnx-int8")
 # Raised when a mode's recipe changes what it writes, so that indexes encoded by an older recipe are rebuilt.
 RECIPES = {"compile": 1, "int8": 1, "onnx": 1, "onnx-int8": 2}
 CALIBRATED = ("int8", "onnx-int8")

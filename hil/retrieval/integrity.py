@@ -36,10 +36,10 @@ import torch
 from hil.errors import UserError
 from hil.modeling.contracts import EncodedBatch
 from hil.provenance import DIGEST, file_digest
+from hil.retrieval.choices import check_verify  # noqa: F401 (re-exported)
 
 logger = logging.getLogger(__name__)
 
-VERIFY_MODES = ("auto", "sizes", "full")
 # "auto" reads every byte of an index up to this size (about a second here: sha256 at 650-1100 MiB/s).
 FULL_CHECK_MAX_BYTES = 1 << 30
 FILES_KEY = "files"
@@ -57,12 +57,6 @@ class NonFiniteError(UserError):
 def rebuild_hint(directory: Path) -> str:
     return (f"rebuild it: delete {directory} and run again (evaluate.py and open_or_build_index rebuild a missing "
             "index), or call build_index(..., overwrite=True)")
-
-
-def check_verify(verify: str) -> str:
-    if verify not in VERIFY_MODES:
-        raise UserError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
-    return verify
 
 
 # -- recording and checking files -------------------------------------------------------------------------------

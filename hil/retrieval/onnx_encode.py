@@ -52,6 +52,7 @@ from transformers import PretrainedConfig
 
 from hil.modeling.encoder import MultiVectorEncoder
 from hil.retrieval.encoding import DocumentEncoderView
+from hil.retrieval.choices import QUERY_ENCODINGS
 from hil.retrieval.smoothing import activation_ranges, smooth_backbone
 
 ONNX_MODES = ("onnx", "onnx-int8")
@@ -236,7 +237,6 @@ def onnx_document_encoder(encoder: MultiVectorEncoder, mode: str = "onnx-int8", 
     return DocumentEncoderView(view, {**backbone.description, **settings})
 
 
-QUERY_ENCODINGS = ("onnx",)
 
 
 def onnx_query_encoder(encoder: MultiVectorEncoder) -> MultiVectorEncoder:
