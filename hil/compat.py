@@ -7,8 +7,9 @@ Two kinds:
 - **readers of old artifacts** (indexes, exports, results files written by an earlier version): kept while such
   files exist (``removed_in`` None); each reads the old layout as the version that wrote it meant it.
 
-The command aliases ``train.py`` / ``hil-train`` (= ``hil fit``) and ``evaluate.py`` / ``hil-evaluate`` take the
-same options as the ``hil`` subcommands and stay.
+The command aliases stay: ``train.py`` / ``hil-train`` are ``hil fit`` (the same LightningCLI, the same options);
+``evaluate.py`` / ``hil-evaluate`` are the one-model, one-dataset shortcut with flat options (``--k``, ``--mode``)
+where ``hil evaluate`` takes an experiment (``--settings.k``); both on the one option system (:mod:`hil.cli.parsers`).
 """
 
 from __future__ import annotations

@@ -96,6 +96,20 @@ def test_a_misspelled_dataset_is_refused_at_once_with_the_close_names(shared_dir
     assert tried == ["cqadupstack-android", "my-own-collection"]
 
 
+def test_a_misspelled_dataset_is_refused_before_any_model_loads(shared_dir, tmp_path, capsys, monkeypatch):
+    """``hil evaluate`` names the dataset, once each close name, without loading the models first (a model that
+    cannot be loaded would otherwise be the error, after its loading time)."""
+    from hil.cli.main import main as hil_main
+    from hil.evaluation import runner
+
+    loaded = []
+    monkeypatch.setattr(runner, "load_model", lambda *args: loaded.append(args))
+    assert hil_main(["evaluate", "--dataset", "scifcat", "--model", "no-such-model", "--output",
+                     str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "dataset 'scifcat'" in err and err.count("'scifact'") == 1 and not loaded, err
+
+
 def test_ctrl_c_is_one_line_and_status_130(capsys, monkeypatch):
     from hil.errors import DEBUG_ENV, exit_status
 

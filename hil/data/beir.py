@@ -237,17 +237,29 @@ def load_beir(name_or_path: str | os.PathLike, split: str = "test", data_dir: st
         return _dataset(data.name, data.corpus, data.queries, data.qrels, data.dataset_id, data.source,
                         data.relevance_level if relevance_level is None else relevance_level)
     relevance_level = 1 if relevance_level is None else relevance_level
+    folder, hub_name = dataset_source(name_or_path, data_dir)
+    if folder is not None:
+        return _load_folder(folder, folder.name, split, judged_outside_corpus, relevance_level)
+    return _load_hub(hub_name, split, judged_outside_corpus, relevance_level)
+
+
+def dataset_source(name_or_path: str | os.PathLike, data_dir: str | os.PathLike | None = None) -> tuple[Path | None,
+                                                                                                       str]:
+    """Where :func:`load_beir` reads ``name_or_path`` from, found without reading it: (its local folder, "") or
+    (None, its hub name). A path that is not there, or a name that is no BEIR dataset nor local folder but close to
+    one (``scifcat``), is a :class:`~hil.errors.MissingInputError` at once -- what a command checks before any
+    work. (An ``irds:`` id is not resolved here.)"""
     folder = resolve_dataset(name_or_path, data_dir)
     text = str(name_or_path)
     if folder is None and isinstance(name_or_path, str) and text.lower().startswith("beir/"):
         folder = resolve_dataset(text.split("/", 1)[1], data_dir)
     if folder is not None:
-        return _load_folder(folder, folder.name, split, judged_outside_corpus, relevance_level)
+        return folder, ""
     if not isinstance(name_or_path, str) or _looks_like_path(text):
         raise MissingInputError(f"{text}: no such dataset folder")
     name = text.split("/", 1)[1] if text.lower().startswith("beir/") else text
     check_not_misspelled(name, data_dir)
-    return _load_hub(name, split, judged_outside_corpus, relevance_level)
+    return None, name
 
 
 # The BEIR datasets (Thakur et al. 2021, Table 1) by their names on the hub and in the BEIR zips.
@@ -267,7 +279,7 @@ def check_not_misspelled(name: str, data_dir: str | os.PathLike | None = None) -
         return
     root = Path(data_dir or os.environ.get(DATA_DIR_ENV) or ".")
     local = [p.name for folder in (root, root / "beir") if folder.is_dir() for p in folder.iterdir() if p.is_dir()]
-    close = difflib.get_close_matches(lowered, [*BEIR_NAMES, *local], n=3, cutoff=0.75)
+    close = difflib.get_close_matches(lowered, list(dict.fromkeys([*BEIR_NAMES, *local])), n=3, cutoff=0.75)
     if close:
         raise MissingInputError(f"dataset {name!r}: not a BEIR dataset nor a folder under ${DATA_DIR_ENV} "
                                 f"({root}); did you mean {' or '.join(map(repr, close))}?")

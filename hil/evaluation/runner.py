@@ -33,7 +33,8 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import torch
 
-from hil.data.beir import BeirDataset, load_beir
+from hil.data.beir import BeirDataset, dataset_source, load_beir
+from hil.data.irds import is_irds_name
 from hil.errors import UserError
 from hil.evaluation.metrics import measurable_metrics
 from hil.evaluation.evaluate import (Evaluation, EvaluationSettings, evaluate, evaluate_bm25, evaluate_run_file,
@@ -389,6 +390,9 @@ def run_experiment(experiment: Experiment, on_dataset: Callable[[DatasetResult],
     """Measure ``experiment`` (see the module docstring); -> each dataset's result, in order. Models are loaded once
     (before any dataset, so that a model that cannot be read fails first); ``on_dataset`` sees each dataset's result
     as it is finished; ``hooks`` add measurements and derived columns (:class:`ColumnHooks`)."""
+    for spec in experiment.datasets:  # a misspelled dataset or a missing folder: refused before any model loads
+        if not is_irds_name(spec.name):
+            dataset_source(spec.name, experiment.data_dir)
     encoders = {spec.column: load_model(spec, experiment.seed) for spec in experiment.models}
     results = []
     for spec in experiment.datasets:
