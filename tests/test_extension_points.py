@@ -4,7 +4,10 @@
 - a new index back-end = one file (its ``IndexConfig`` / ``SearchConfig`` beside its ``SearchBackend``, registered
   by being defined) + a recipe: ``hil evaluate`` builds, records and searches it, with no line of the package
   changed;
-- a new metric = one entry in one file (``hil/evaluation/metrics.py``'s measure tables), equal to pytrec_eval's.
+- a new metric = one entry in one file (``hil/evaluation/metrics.py``'s measure tables), equal to pytrec_eval's;
+- a new training data reader = its module (an opener registered under its data key, ``@example_reader``) + that key
+  among the data module's arguments: ``open_example_source`` reads it with no line of the package changed (the data
+  module's argument is the second file, shown by the built-in ``nway_examples`` / ``run`` / ``pylate``).
 
 Broken on purpose, each failing here: back-end classes not registered when defined (``__init_subclass__``), a term
 not called, the metric table entry left out.
@@ -143,3 +146,45 @@ def test_a_new_metric_is_one_entry_in_one_file(monkeypatch):
     aggregate, per_query = metrics.evaluate_run(qrels, run, ["bpref"])
     direct = pytrec_eval.RelevanceEvaluator(qrels, {"bpref"}).evaluate(run)
     assert {q: v["bpref"] for q, v in per_query.items()} == pytest.approx({q: direct[q]["bpref"] for q in qrels})
+
+
+def test_a_new_training_data_reader_is_its_module_registered_under_its_key(tmp_path, monkeypatch):
+    """A format of ``qid TAB pid TAB pid ...`` lines (positive first, no scores), defined here: the generic opener
+    reads it, with its texts, and refuses another format's settings; the package is not edited."""
+    from hil.data import examples as registry
+    from hil.data.example_sources import open_example_source
+    from hil.data.examples import ScoredExample, example_reader
+    from hil.errors import UserError
+
+    monkeypatch.setattr(registry, "EXAMPLE_READERS", dict(registry.EXAMPLE_READERS))  # registered for this test
+    monkeypatch.setattr("hil.data.example_sources.EXAMPLE_READERS", registry.EXAMPLE_READERS)
+
+    class TabExamples(list):
+        def iter_queries(self):
+            return (example.query for example in self)
+
+        def iter_passages(self):
+            return (text for example in self for text in example.documents)
+
+        def describe(self):
+            return f"{len(self)} tab examples"
+
+    @example_reader("tab_examples")
+    def open_tab(source, queries, collection, *, nway=None, limit=None, check=True, cache_dir=None, seed=0):
+        query_texts, texts = (dict(line.split("\t") for line in path.read_text(encoding="utf-8").splitlines())
+                              for path in (queries, collection))
+        rows = [line.split("\t") for line in source.read_text(encoding="utf-8").splitlines() if line]
+        return TabExamples(ScoredExample(query_texts[row[0]], tuple(texts[pid] for pid in row[1:][:nway]), None,
+                                         (row[0], *row[1:][:nway])) for row in rows[:limit])
+
+    (tmp_path / "q.tsv").write_text("q1\twhat is isotropy\nq2\tmaxsim\n", encoding="utf-8")
+    (tmp_path / "c.tsv").write_text("a\tuniform directions\nb\tlate interaction\nc\tbm25\n", encoding="utf-8")
+    (tmp_path / "ex.tab").write_text("q1\ta\tc\nq2\tb\ta\n", encoding="utf-8")
+    opened = open_example_source("tab_examples", tmp_path / "ex.tab", queries=tmp_path / "q.tsv",
+                                 collection=tmp_path / "c.tsv", nway=2, selection="top")
+    assert [(e.query, e.documents) for e in opened] == [("what is isotropy", ("uniform directions", "bm25")),
+                                                         ("maxsim", ("late interaction", "uniform directions"))]
+    with pytest.raises(UserError, match="depth only apply to run, not to tab_examples"):
+        open_example_source("tab_examples", tmp_path / "ex.tab", queries=tmp_path / "q.tsv",
+                            collection=tmp_path / "c.tsv", depth=5)
+

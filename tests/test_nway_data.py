@@ -253,6 +253,9 @@ def test_run_positives_first_and_qrels_targets(tmp_path):
     bare = RunExamples(run, queries, collection, RunSettings(2, positives="first", targets="none"), qrels)
     assert [e.scores for e in items(bare)] == [None] * 3 and [e.ids for e in items(bare)] == [e.ids for e in
                                                                                             items(first)]
+    # the generic opener, every path relative to the data folder (qrels found there too), reads the same examples
+    assert items(open_example_source("run", "teacher.trec", queries="queries.tsv", collection="collection.tsv",
+                                     data_dir=tmp_path, nway=2, positives="first", qrels="qrels.tsv")) == items(first)
     trec = tmp_path / "qrels.trec"  # TREC qrels give the same
     trec.write_text("".join(f"{q} 0 {d} {g}\n" for q, d, g in (l.split("\t") for l in QRELS.splitlines())))
     assert items(RunExamples(run, queries, collection, RunSettings(2, positives="first"), trec)) == items(first)
@@ -321,16 +324,24 @@ def test_option_errors_name_the_option(tmp_path):
             RunSettings(**settings)
     with pytest.raises(UserError, match="needs qrels"):
         RunExamples(run, queries, collection, RunSettings(2, positives="first"))
-    with pytest.raises(UserError, match="exactly one of nway_examples, run, pylate"):
-        open_example_source(run=run, nway_examples=run, queries=queries, collection=collection)
+    with pytest.raises(UserError, match="no example reader for 'trec'.*nway_examples, pylate, run"):
+        open_example_source("trec", run, queries=queries, collection=collection)
     with pytest.raises(UserError, match="run needs nway"):
-        open_example_source(run=run, queries=queries, collection=collection)
-    with pytest.raises(UserError, match="qrels, depth only apply to a run"):
-        open_example_source(nway_examples=run, queries=queries, collection=collection, qrels=run, depth=3)
+        open_example_source("run", run, queries=queries, collection=collection)
+    with pytest.raises(UserError, match="qrels, depth only apply to run, not to nway_examples"):
+        open_example_source("nway_examples", run, queries=queries, collection=collection, qrels=run, depth=3)
+    # a setting at its default is not "set": the data module passes every run setting to every format
+    examples = tmp_path / "examples.jsonl"
+    examples.write_bytes(odd_bytes(NWAY_LINES))
+    opened = open_example_source("nway_examples", examples, queries=queries, collection=collection, nway=2,
+                                 selection="top", relevance_level=1, qrels=None)
+    assert items(opened) == items(NWayFile(examples, queries, collection, nway=2))
+    with pytest.raises(TypeError, match="no example reader takes colour"):
+        open_example_source("nway_examples", examples, queries=queries, collection=collection, colour="red")
     with pytest.raises(UserError, match="needs collection"):
-        open_example_source(nway_examples=run, queries=queries)
+        open_example_source("nway_examples", run, queries=queries)
     with pytest.raises(MissingInputError, match="collection: .*nowhere.tsv"):
-        open_example_source(nway_examples=run, queries=queries, collection=tmp_path / "nowhere.tsv")
+        open_example_source("nway_examples", run, queries=queries, collection=tmp_path / "nowhere.tsv")
 
 
 # -- checking once, reading later -------------------------------------------------------------------------------------

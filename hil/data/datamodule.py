@@ -71,7 +71,7 @@ class TripleDataset(Dataset):
 
 
 TrainingTriples = TripleDataset | TriplesFile | IdTriplesFile | ExampleSource
-EXAMPLE_SOURCES = ("nway_examples", "run", "pylate")  # the keys of data sources read by open_example_source
+EXAMPLE_SOURCES = ("nway_examples", "run", "pylate")  # keys of formats registered in hil.data.examples.EXAMPLE_READERS
 
 
 def collate_triples(triples: list[Triple]) -> dict[str, list[Any]]:
@@ -410,16 +410,16 @@ class TrainingDataModule(pl.LightningDataModule):
         return resolve_data_file(self.hparams[name], self.hparams.data_dir)
 
     def open_examples(self) -> ExampleSource:
-        """The n-way examples of ``nway_examples``, ``run`` or ``pylate`` (every line checked when first opened)."""
+        """The n-way examples of ``nway_examples``, ``run`` or ``pylate``, read by the format registered under that
+        key (:func:`~hil.data.example_sources.open_example_source`; every line checked when first opened)."""
         from hil.data.example_sources import open_example_source
 
         hp = self.hparams
         return open_example_source(
-            nway_examples=hp.nway_examples, run=hp.run, pylate=hp.pylate, queries=hp.queries,
-            collection=hp.collection, nway=hp.nway, qrels=hp.qrels, depth=hp.run_depth, selection=hp.run_selection,
-            positives=hp.run_positives, targets=hp.run_targets, relevance_level=hp.relevance_level,
-            seed=hp.seed, short_queries=hp.short_queries, limit=hp.max_triples, cache_dir=hp.cache_dir,
-            data_dir=hp.data_dir)
+            self.source_kind, hp[self.source_kind], queries=hp.queries, collection=hp.collection, nway=hp.nway,
+            limit=hp.max_triples, cache_dir=hp.cache_dir, data_dir=hp.data_dir, seed=hp.seed, qrels=hp.qrels,
+            depth=hp.run_depth, selection=hp.run_selection, positives=hp.run_positives, targets=hp.run_targets,
+            relevance_level=hp.relevance_level, short_queries=hp.short_queries)
 
     def load_dataset(self) -> TrainingTriples:
         """The training triples: read by index from a file, or a list (BM25-mined, or a ``.gz`` file); or the n-way

@@ -1,23 +1,26 @@
-"""One call that opens any n-way / distillation source by the settings a data module holds:
-:func:`open_example_source`. The readers are :class:`~hil.data.nway_files.NWayFile` (ColBERTv2),
-:class:`~hil.data.run_examples.RunExamples` (a TREC run with teacher scores, Lightning IR's ``RunDataset``) and
-:func:`~hil.data.pylate_files.open_pylate` (PyLate's layout); each is an
-:class:`~hil.data.examples.ExampleSource` that :class:`~hil.data.datamodule.EpochShuffleSampler` shards and resumes.
+"""One call that opens any n-way / distillation source by its format's key: :func:`open_example_source`.
+
+Each format is an :class:`~hil.data.examples.ExampleReader` registered where its reader lives
+(:func:`~hil.data.examples.example_reader`): ``nway_examples`` (:class:`~hil.data.nway_files.NWayFile`,
+ColBERTv2), ``run`` (:class:`~hil.data.run_examples.RunExamples`, a TREC run with teacher scores, Lightning IR's
+``RunDataset``) and ``pylate`` (:func:`~hil.data.pylate_files.open_pylate`, PyLate's layout); each opens an
+:class:`~hil.data.examples.ExampleSource` that :class:`~hil.data.datamodule.EpochShuffleSampler` shards and
+resumes. This module only dispatches by key: a new format adds nothing here.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
+# The built-in formats register themselves when their modules are imported.
+import hil.data.nway_files  # noqa: F401
+import hil.data.pylate_files  # noqa: F401
+import hil.data.run_examples  # noqa: F401
+from hil.data.examples import EXAMPLE_READERS, ExampleSource
 from hil.errors import MissingInputError, UserError
-from hil.data.examples import ExampleSource
-from hil.data.nway_files import NWayFile
-from hil.data.pylate_files import open_pylate
-from hil.data.run_examples import RunExamples, RunSettings
 from hil.paths import resolve_data_file
-
-KINDS = ("nway_examples", "run", "pylate")
 
 
 def _file(name: str, value: str | os.PathLike, data_dir: str | os.PathLike | None) -> Path:
@@ -27,55 +30,50 @@ def _file(name: str, value: str | os.PathLike, data_dir: str | os.PathLike | Non
         raise MissingInputError(f"{name}: {error}") from None
 
 
-def open_example_source(*, nway_examples: str | os.PathLike | None = None, run: str | os.PathLike | None = None,
-                        pylate: str | os.PathLike | None = None, queries: str | os.PathLike | None = None,
+def open_example_source(kind: str, source: str | os.PathLike, *, queries: str | os.PathLike | None = None,
                         collection: str | os.PathLike | None = None, nway: int | None = None,
-                        qrels: str | os.PathLike | None = None, depth: int | None = None, selection: str = "top",
-                        positives: str = "none", targets: str = "scores", relevance_level: int = 1, seed: int = 0,
-                        short_queries: str = "error", limit: int | None = None, check: bool = True,
-                        cache_dir: str | os.PathLike | None = None,
-                        data_dir: str | os.PathLike | None = None) -> ExampleSource:
-    """The examples of exactly one of ``nway_examples``, ``run`` or ``pylate``, with their texts.
+                        limit: int | None = None, check: bool = True, cache_dir: str | os.PathLike | None = None,
+                        data_dir: str | os.PathLike | None = None, seed: int = 0,
+                        **settings: Any) -> ExampleSource:
+    """The examples of ``source`` in the format registered as ``kind``, with their texts.
 
     Args:
-        nway_examples: ColBERTv2 JSON lines (``[qid, [pid, score], ...]`` or ``[qid, pid, ...]``).
-        run: a TREC run whose scores are a teacher's (one example a query).
-        pylate: PyLate's examples (``query_id``, ``document_ids``, ``scores``), JSON lines or Parquet.
-        queries, collection: the query and document texts: ``id TAB text`` files (for ``pylate`` also its
-            ``query_id``/``document_id`` + ``text`` tables in JSON lines or Parquet). Both required.
-        nway: documents per example: the first ``nway`` of each line (None: all, the same on every line); for
-            ``run``, required: how many are chosen per query.
-        qrels, depth, selection, positives, targets, relevance_level, seed, short_queries: ``run`` only; see
-            :class:`~hil.data.run_examples.RunSettings`.
+        kind: the format's key (``nway_examples``, ``run``, ``pylate``: :data:`~hil.data.examples.EXAMPLE_READERS`).
+        source: its file, or a path relative to ``data_dir``.
+        queries, collection: the query and document texts (``id TAB text`` files; for ``pylate`` also its tables in
+            JSON lines or Parquet). Both required.
+        nway: documents per example: the first ``nway`` of each line (None: all, the same on every line); a format
+            that chooses them (``run``) requires it.
         limit: the first ``limit`` examples only.
-        check: check every line when opening (``nway_examples``/``pylate``; a run is always checked).
+        check: check every line when opening.
         cache_dir: where line offsets, checking records and conversions go.
         data_dir: where relative paths are also looked for (default ``$HIL_DATA_DIR``).
+        seed: the data's seed, for a format that samples (``run``'s random selection).
+        settings: the settings of one format (``run``: ``qrels``, ``depth``, ``selection``, ...): one set to
+            anything but its default is refused by the other formats, naming it.
 
-    Every path is a file or relative to ``data_dir``. A wrong combination of settings is a :class:`UserError`
-    naming them; bad data a :class:`~hil.errors.DataFormatError` naming file and line.
+    A wrong combination of settings is a :class:`UserError` naming them; bad data a
+    :class:`~hil.errors.DataFormatError` naming file and line.
     """
-    given = {name: value for name, value in zip(KINDS, (nway_examples, run, pylate)) if value is not None}
-    if len(given) != 1:
-        raise UserError(f"give exactly one of {', '.join(KINDS)} (got {', '.join(given) or 'none'})")
-    (kind, source), = given.items()
+    reader = EXAMPLE_READERS.get(kind)
+    if reader is None:
+        raise UserError(f"no example reader for {kind!r} (readers: {', '.join(sorted(EXAMPLE_READERS))})")
     for name, value in (("queries", queries), ("collection", collection)):
         if value is None:
             raise UserError(f"{kind} needs {name} (the texts by id)")
-    run_only = {"qrels": qrels is not None, "depth": depth is not None, "selection": selection != "top",
-                "positives": positives != "none", "targets": targets != "scores",
-                "relevance_level": relevance_level != 1, "short_queries": short_queries != "error"}
-    if kind != "run" and any(run_only.values()):
-        raise UserError(f"{', '.join(name for name, set_ in run_only.items() if set_)} only apply to a run, not "
-                        f"to {kind}")
-    source_path = _file(kind, source, data_dir)
-    query_path, collection_path = _file("queries", queries, data_dir), _file("collection", collection, data_dir)
-    if kind == "nway_examples":
-        return NWayFile(source_path, query_path, collection_path, nway, limit, check, cache_dir)
-    if kind == "pylate":
-        return open_pylate(source_path, query_path, collection_path, nway, limit, check, cache_dir)
-    if nway is None:
-        raise UserError("run needs nway (the documents chosen per query)")
-    settings = RunSettings(nway, depth, selection, positives, targets, relevance_level, seed, short_queries)
-    qrels_path = _file("qrels", qrels, data_dir) if qrels is not None else None
-    return RunExamples(source_path, query_path, collection_path, settings, qrels_path, limit, cache_dir)
+    owners = {name: other for other in EXAMPLE_READERS.values() for name in other.settings}
+    unknown = sorted(name for name in settings if name not in owners)
+    if unknown:
+        raise TypeError(f"open_example_source: no example reader takes {', '.join(unknown)}")
+    foreign = [name for name, value in settings.items()
+               if name not in reader.settings and value != owners[name].settings[name]]
+    if foreign:
+        raise UserError(f"{', '.join(foreign)} only apply to {' / '.join(sorted({owners[n].key for n in foreign}))}, "
+                        f"not to {kind}")
+    taken = {name: settings.get(name, default) for name, default in reader.settings.items()}
+    for name in reader.files:
+        if taken[name] is not None:
+            taken[name] = _file(name, taken[name], data_dir)
+    return reader.open(_file(kind, source, data_dir), _file("queries", queries, data_dir),
+                       _file("collection", collection, data_dir), nway=nway, limit=limit, check=check,
+                       cache_dir=cache_dir, seed=seed, **taken)

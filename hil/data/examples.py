@@ -8,8 +8,8 @@ step turns B of them into a batch of B queries x N documents (``hil.data.datamod
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Iterator, Protocol, runtime_checkable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping, Protocol, runtime_checkable
 
 
 @dataclass(frozen=True)
@@ -57,3 +57,36 @@ class ExampleSource(Protocol):
     def iter_passages(self) -> Iterator[str]: ...
 
     def describe(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class ExampleReader:
+    """A format of training examples: the data module's key that names its file (``data.<key>``), the function that
+    opens it -- ``open(source, queries, collection, *, nway, limit, check, cache_dir, seed, **settings)`` -> an
+    :class:`ExampleSource` -- the settings only this format takes, with their defaults (another format refuses one
+    that a user set), and which of those are files (found under ``data_dir`` like the source)."""
+
+    key: str
+    open: Callable[..., ExampleSource]
+    settings: Mapping[str, Any] = field(default_factory=dict)
+    files: tuple[str, ...] = ()
+
+
+EXAMPLE_READERS: dict[str, ExampleReader] = {}  # key -> reader; filled by @example_reader where each reader lives
+
+
+def example_reader(key: str, files: tuple[str, ...] = (), **settings: Any) -> Callable[[Callable[..., ExampleSource]],
+                                                                                   Callable[..., ExampleSource]]:
+    """Register the decorated opener as the reader of ``data.<key>`` files (:class:`ExampleReader`): a new format
+    is its reader module and its key among the data module's arguments, nothing else."""
+
+    def register(opener: Callable[..., ExampleSource]) -> Callable[..., ExampleSource]:
+        known = EXAMPLE_READERS.get(key)
+        if known is not None and (known.open.__module__, known.open.__qualname__) != \
+                (opener.__module__, opener.__qualname__):  # a module imported again replaces its own
+            raise ValueError(f"two example readers are registered as {key!r}")
+        EXAMPLE_READERS[key] = ExampleReader(key, opener, settings, files)
+        return opener
+
+    return register
+

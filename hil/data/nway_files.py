@@ -48,7 +48,7 @@ from hil.data.beir_files import iter_text_lines
 from hil.errors import DataFormatError
 from hil.data.example_files import (ExamplesOnDisk, checked_count, file_key, first_unknown, json_id, json_score,
                                     load_checked, parse_json, save_checked, settings_key, text_of)
-from hil.data.examples import ScoredExample
+from hil.data.examples import ScoredExample, example_reader
 from hil.data.id_texts import IdTextFile
 from hil.data.line_index import LineIndex
 
@@ -194,6 +194,14 @@ class NWayFile(JsonLinesExamples):
                                                            f"is a bare pid")
                 pids.append(json_id(self.path, line, entry, f"passage id {number}"))
         return qid, pids, scores if scored else None
+
+
+@example_reader("nway_examples")
+def open_nway_file(source: str | os.PathLike, queries: str | os.PathLike, collection: str | os.PathLike, *,
+                   nway: int | None = None, limit: int | None = None, check: bool = True,
+                   cache_dir: str | os.PathLike | None = None, seed: int = 0) -> NWayFile:
+    """``data.nway_examples``: ColBERTv2's n-way examples (:class:`NWayFile`; ``seed`` unused: nothing is sampled)."""
+    return NWayFile(source, queries, collection, nway, limit, check, cache_dir)
 
 
 def _list_field(path: Path, line: int, record: dict[str, Any], name: str) -> list[Any]:

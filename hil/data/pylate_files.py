@@ -31,6 +31,7 @@ from hil.errors import DataFormatError, MissingInputError
 from hil.data.example_files import file_key, json_id, parse_json
 from hil.data.id_texts import IdTextFile
 from hil.data.line_index import FileStamp, cache_file, load_cache, save_cache
+from hil.data.examples import example_reader
 from hil.data.nway_files import PyLateFile, parse_pylate
 from hil.provenance import atomic_output, file_lock, lock_path
 
@@ -161,10 +162,12 @@ def text_table(path: str | os.PathLike, id_column: str, what: str,
     return table
 
 
+@example_reader("pylate")
 def open_pylate(path: str | os.PathLike, queries: str | os.PathLike, documents: str | os.PathLike,
                 nway: int | None = None, limit: int | None = None, check: bool = True,
-                cache_dir: str | os.PathLike | None = None) -> PyLateFile:
-    """PyLate's distillation data (see the module docstring) as an indexed source of examples.
+                cache_dir: str | os.PathLike | None = None, seed: int = 0) -> PyLateFile:
+    """``data.pylate``: PyLate's distillation data (see the module docstring) as an indexed source of examples
+    (``seed`` unused: nothing is sampled).
 
     Args:
         path: the examples, JSON lines or Parquet (``query_id``, ``document_ids``, ``scores``).

@@ -51,7 +51,7 @@ from hil.data.beir_files import iter_text_lines, load_trec_qrels, read_qrels_tsv
 from hil.errors import DataFormatError, UserError
 from hil.data.example_files import (ExamplesOnDisk, checked_count, file_key, load_checked, save_checked, settings_key,
                                     text_of, unknown)
-from hil.data.examples import ScoredExample
+from hil.data.examples import ScoredExample, example_reader
 from hil.data.id_texts import IdTextFile
 from hil.data.line_index import LineIndex
 
@@ -340,3 +340,19 @@ class RunExamples(ExamplesOnDisk):
         return (f"{self.path} ({self.size} queries, {s.nway} documents each: {s.selection} of depth "
                 f"{s.depth or 'all'}, positives {s.positives}, targets {s.targets}; {self.queries.describe()}; "
                 f"{self.collection.describe()})")
+
+
+@example_reader("run", files=("qrels",), qrels=None, depth=None, selection="top", positives="none", targets="scores",
+                relevance_level=1, short_queries="error")
+def open_run(source: str | os.PathLike, queries: str | os.PathLike, collection: str | os.PathLike, *,
+             nway: int | None = None, limit: int | None = None, check: bool = True,
+             cache_dir: str | os.PathLike | None = None, seed: int = 0, qrels: str | os.PathLike | None = None,
+             depth: int | None = None, selection: str = "top", positives: str = "none", targets: str = "scores",
+             relevance_level: int = 1, short_queries: str = "error") -> RunExamples:
+    """``data.run``: a TREC run's examples (:class:`RunExamples`; every line is checked, whatever ``check``); the
+    settings are :class:`RunSettings`'s, ``seed`` its random selection's."""
+    if nway is None:
+        raise UserError("run needs nway (the documents chosen per query)")
+    settings = RunSettings(nway, depth, selection, positives, targets, relevance_level, seed, short_queries)
+    return RunExamples(source, queries, collection, settings, qrels, limit, cache_dir)
+
