@@ -45,6 +45,9 @@ SHIMS = (
     Shim('name == "TriplesDataModule"', "hil/data/datamodule.py", "hil.data.datamodule.TrainingDataModule", "0.3.0"),
     # module moves of 0.2 (the user-facing errors at the bottom layer; the command lines in hil.cli)
     Shim("from hil.errors import *", "hil/data/errors.py", "hil.errors", "0.3.0"),
+    Shim("from hil.cli.main import main", "hil/console.py", "hil.cli.main (a hil script installed before 0.2)",
+         "0.3.0"),
+    Shim("MOVED = ", "hil/cli/__init__.py", "hil.cli.train.train_main, hil.cli.evaluate_script.main", "0.3.0"),
     # readers of artifacts written by earlier versions
     Shim('"faiss"', "hil/retrieval/index.py", 'index.json "backend" (indexes written before 0.2)', None),
     Shim("LEGACY_SEARCH_PARAMS", "hil/retrieval/index.py", "search-time settings outside index.json (before 0.2)",

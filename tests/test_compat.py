@@ -52,3 +52,25 @@ def test_the_data_module_old_name_still_imports_with_a_warning():
     assert TriplesDataModule is datamodule.TrainingDataModule
     with pytest.raises(AttributeError, match="NoSuchDataModule"):
         datamodule.NoSuchDataModule  # noqa: B018
+
+
+def test_the_moved_modules_still_import_with_a_warning():
+    """hil.data.errors, hil.console and hil.cli's names of before 0.2 (one module then) still work, and say where
+    they went."""
+    import importlib
+    import sys
+
+    import hil.cli
+    from hil.cli.train import train_main
+    from hil.errors import UserError
+
+    for name in ("hil.data.errors", "hil.console"):
+        sys.modules.pop(name, None)
+        with pytest.warns(DeprecationWarning, match="moved to"):
+            module = importlib.import_module(name)
+        assert getattr(module, "UserError", None) is UserError or getattr(module, "main", None) is not None
+    with pytest.warns(DeprecationWarning, match="hil.cli.train_main moved to hil.cli.train"):
+        assert hil.cli.train_main is train_main
+    with pytest.raises(AttributeError):
+        hil.cli.no_such_name
+

@@ -23,6 +23,8 @@ def __getattr__(name: str) -> Any:
     if name not in MOVED:
         raise AttributeError(f"module 'hil.cli' has no attribute {name!r}")
     import importlib
+    import warnings
 
+    warnings.warn(f"hil.cli.{name} moved to {MOVED[name]}", DeprecationWarning, stacklevel=2)
     module = importlib.import_module(MOVED[name])
     return getattr(module, "main" if name == "evaluate_main" else name)
