@@ -89,8 +89,7 @@ class OneLineErrors:
     """What both parser classes add to jsonargparse's: package recipes for ``--config``, and one-line errors that
     name the ``--config`` file and line of a refused key (the module docstring)."""
 
-    argv: list[str] = []
-    refused: str | None = None  # the last refusal, without the program's name (for callers that re-raise it)
+    argv: list[str] = []  # the command line last parsed, recipes resolved (``located`` reads its --config files)
 
     def parse_args(self, args: Sequence[str] | None = None, *rest: Any, **kwargs: Any) -> Any:
         self.argv = resolve_config_arguments(sys.argv[1:] if args is None else args)
@@ -104,8 +103,8 @@ class OneLineErrors:
             super().error(message, ex)  # type: ignore[misc]
         parser = getattr(ex, "subcommand_parser", None) or self
         prog = parser.prog.replace(" [options]", "")  # type: ignore[attr-defined]
-        self.refused = located(" ".join(one_line(message).split()), self.argv)
-        sys.stderr.write(f"{prog}: error: {self.refused} (options: {prog} --help)\n")
+        refused = located(" ".join(one_line(message).split()), self.argv)
+        sys.stderr.write(f"{prog}: error: {refused} (options: {prog} --help)\n")
         self.exit(2)  # type: ignore[attr-defined]
 
 
