@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+import warnings
 from typing import Iterator
 
 import numpy as np
@@ -111,6 +112,16 @@ def canonical_device(device: torch.device | str) -> torch.device:
     return device
 
 
+def host_tensor(array: np.ndarray, dtype: type[np.generic] | None = None) -> torch.Tensor:
+    """``array`` as a CPU tensor, C-ordered and of ``dtype`` (None: its own), sharing its memory where no conversion
+    is needed. A read-only array (an index opened as memory maps) gives a tensor backed by read-only memory without
+    torch's warning about it: every caller only reads it (copies it to a device, or computes from it)."""
+    array = np.ascontiguousarray(array, dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*not writable.*", category=UserWarning)
+        return torch.from_numpy(array)
+
+
 # Rows copied to a device at once: bounds the host temporary (256 MiB of fp16 vectors at D = 128, 4 MiB of codes).
 UPLOAD_ROWS = 1 << 20
 
@@ -123,6 +134,6 @@ def upload_rows(array: np.ndarray, dtype: type[np.generic] | None, device: torch
     dtype = np.dtype(dtype or array.dtype)
     out = torch.empty(array.shape, dtype=torch.from_numpy(np.empty(0, dtype=dtype)).dtype, device=device)
     for start in range(0, len(array), block):
-        part = torch.from_numpy(np.ascontiguousarray(array[start: start + block], dtype=dtype))
+        part = host_tensor(array[start: start + block], dtype)
         out[start: start + len(part)] = part.to(device)
     return out

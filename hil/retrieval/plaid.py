@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from hil.retrieval.devices import canonical_device, upload_rows
+from hil.retrieval.devices import canonical_device, host_tensor, upload_rows
 from hil.retrieval.kmeans import FAISS_ON_CPU, KMeansEngine, nearest_centroids, spherical_kmeans
 
 # Rows of the (n_tokens, D) table handled at once when assigning codes: bounds the fp32 copy (16 MiB at D=128).
@@ -77,7 +77,7 @@ def train_centroids(embeddings: np.ndarray, n_centroids: int, *, train_size: int
         raise ValueError(f"n_centroids must lie in 1..n_tokens={n_tokens}, got {n_centroids}")
     rows = sample_rows(n_tokens, max(train_size, n_centroids), seed)
     if engine.name == "torch":
-        sample = torch.from_numpy(np.ascontiguousarray(embeddings[rows])).to(engine.device)  # (S, D)
+        sample = host_tensor(embeddings[rows]).to(engine.device)  # (S, D)
         centroids = spherical_kmeans(sample, n_centroids, niter=niter, seed=seed).centroids.cpu().numpy()
     else:
         centroids = _faiss_kmeans(np.ascontiguousarray(embeddings[rows], dtype=np.float32), n_centroids,
@@ -118,9 +118,9 @@ def assign_codes(embeddings: np.ndarray, centroids: np.ndarray, *, block_tokens:
     codes = out if out is not None else np.empty(n_tokens, dtype=code_dtype(len(centroids)))
     if engine.name == "torch":
         block_tokens = block_tokens or (_ASSIGN_BLOCK_DEVICE if engine.device.type != "cpu" else _ASSIGN_BLOCK)
-        table = torch.from_numpy(np.ascontiguousarray(centroids, dtype=np.float32)).to(engine.device)
+        table = host_tensor(centroids, np.float32).to(engine.device)
         for start in range(0, n_tokens, block_tokens):
-            block = torch.from_numpy(np.ascontiguousarray(embeddings[start: start + block_tokens]))
+            block = host_tensor(embeddings[start: start + block_tokens])
             nearest, _ = nearest_centroids(block.to(engine.device), table)  # stored dtype up, fp32 products there
             codes[start: start + len(block)] = nearest.cpu().numpy()
         return codes
@@ -152,12 +152,17 @@ def build_ivf(codes: np.ndarray, doc_offsets: np.ndarray, n_centroids: int) -> t
     lists ``ivf_docs[ivf_offsets[c]: ivf_offsets[c + 1]]``.
     """
     n_docs = len(doc_offsets) - 1
-    token_doc = np.repeat(np.arange(n_docs, dtype=np.int64), np.diff(doc_offsets))
-    keys = np.unique(codes.astype(np.int64) * max(n_docs, 1) + token_doc)  # sorted by (centroid, doc)
-    cells = keys // max(n_docs, 1)
+    token_doc = np.repeat(np.arange(n_docs, dtype=np.int32), np.diff(doc_offsets))
+    # Tokens are stored document after document, so a stable sort by centroid keeps each centroid's documents
+    # ascending: (centroid, document) order without sorting 64-bit keys (np.unique did: 25x slower on SciFact; a
+    # stable sort of uint16 codes is a radix sort). Then one entry per run of equal pairs.
+    order = np.argsort(codes, kind="stable")
+    cells, docs = codes[order], token_doc[order]
+    first = np.ones(len(order), dtype=bool)
+    first[1:] = (cells[1:] != cells[:-1]) | (docs[1:] != docs[:-1])
     offsets = np.zeros(n_centroids + 1, dtype=np.int64)
-    np.cumsum(np.bincount(cells, minlength=n_centroids), out=offsets[1:])
-    return offsets, (keys % max(n_docs, 1)).astype(np.int32)
+    np.cumsum(np.bincount(cells[first], minlength=n_centroids), out=offsets[1:])
+    return offsets, docs[first]
 
 
 def distinct_doc_codes(ivf_offsets: np.ndarray, ivf_docs: np.ndarray, n_docs: int) -> tuple[np.ndarray, np.ndarray]:

@@ -12,7 +12,6 @@ cutting into :func:`length_blocks` keeps both the padding and the memory of one 
 
 from __future__ import annotations
 
-import warnings
 from functools import cached_property
 from typing import Callable, Iterator, Sequence
 
@@ -22,6 +21,7 @@ import torch
 from hil.data.ranking import id_rank
 from hil.modeling.contracts import EncodedBatch
 from hil.retrieval.codec import CompressedEmbeddings
+from hil.retrieval.devices import host_tensor
 
 # A head's token table: an fp16/fp32 array or memmap, or a decompressing view of residual codes.
 TokenTable = np.ndarray | CompressedEmbeddings
@@ -69,9 +69,7 @@ class TokenStore:
         views = self.__dict__.setdefault("_torch_views", {})
         if name not in views:
             array = self.token_ids if name == "token_ids" else self.embeddings[name]
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*not writable.*")
-                views[name] = torch.from_numpy(array)
+            views[name] = host_tensor(array)
         return views[name]
 
     @cached_property
