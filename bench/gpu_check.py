@@ -41,8 +41,10 @@ evaluates given exports without training (``gpu_check_exports``).
 
 Figures: triples/s of training (every rank's triples over the steps after ``--skip-steps``), documents/s (the
 corpus over ``index_seconds`` of ``metrics.json``: the whole index build, encoding and PLAID structures), queries/s
-(queries over ``search_seconds``: query encoding and search), nDCG@10 (``metrics.json``), peak GPU memory
-(``torch.cuda.max_memory_allocated``; of training, the largest over ranks) and each step's wall seconds. A Lightning
+(queries over ``search_seconds``: query encoding and search), where those seconds went (the index build's stages,
+``build_seconds`` of ``index.json``; the search's query encoding, candidates and exact scoring), nDCG@10
+(``metrics.json``), peak GPU memory (``torch.cuda.max_memory_allocated``; of training, the largest over ranks) and
+each step's wall seconds. A Lightning
 callback added on ``train.py``'s own command line (``bench/gpu_check_callback.py``) and a wrapper that runs
 ``evaluate.py`` unchanged in its process (``bench/gpu_check_probe.py``) report what neither program does. The machine
 (GPUs, driver, torch and FAISS builds) is read in a subprocess where there is a GPU, so that this process never
@@ -237,7 +239,12 @@ def evaluation_figures(metrics: dict[str, Any], probe: dict[str, Any]) -> dict[s
             "documents_per_s": documents / run["index_seconds"], "search_seconds": run["search_seconds"],
             "queries_per_s": queries / run["search_seconds"],
             "peak_gpu_memory_bytes": probe["cuda_max_memory_allocated_bytes"],
-            "peak_rss_bytes": probe["peak_rss_bytes"]}
+            "peak_rss_bytes": probe["peak_rss_bytes"],
+            # Where the time went: the index build's stages (index.json's build_seconds, when this evaluation built
+            # it) and the search's (query encoding, candidates, exact scoring).
+            "index_build_seconds": run.get("index_build_seconds"),
+            "search_step_seconds": {step: (run.get("search_stats") or {}).get(step)
+                                    for step in ("encode_s", "ann_s", "score_s")}}
 
 
 def read_json(path: Path) -> Any:

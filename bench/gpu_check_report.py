@@ -123,7 +123,24 @@ def format_summary(record: dict[str, Any]) -> str:
                 f"{_number(run['documents_per_s']) + ' [' + _number(ref.get('documents_per_s')) + ']':>22}"
                 f"{_number(run['queries_per_s']) + ' [' + _number(ref.get('queries_per_s')) + ']':>22}"
                 f"{_memory(run['peak_gpu_memory_bytes']):>14}")
+            lines.extend(_time_split(run))
     return "\n".join(lines)
+
+
+def _time_split(run: dict[str, Any]) -> list[str]:
+    """Where an evaluation's time went (records from before these figures: nothing)."""
+    out = []
+    build = run.get("index_build_seconds")
+    if build:
+        out.append(f"    index {_number(run['index_seconds'], 2)} s: "
+                   + ", ".join(f"{name.replace('_', ' ')} {_number(value, 2)} s" for name, value in build.items()))
+    steps = run.get("search_step_seconds") or {}
+    if any(value is not None for value in steps.values()):
+        names = {"encode_s": "query encoding", "ann_s": "candidates", "score_s": "exact scoring"}
+        out.append(f"    search {_number(run['search_seconds'], 2)} s: "
+                   + ", ".join(f"{names[step]} {_number(value, 2)} s" for step, value in steps.items()
+                               if value is not None))
+    return out
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ from toys import assert_same_index
 REPO = Path(__file__).resolve().parents[1]
 N_DOCS, CHUNK_DOCS, BATCH = 40, 10, 8  # 4 chunks
 SETTINGS = {"dim": 32, "doc_maxlen": 48, "query_maxlen": 16}
-PROVENANCE_KEYS = frozenset({"created", "versions", "git_commit", "host"})  # encoded_on too is compared
+PROVENANCE_KEYS = frozenset({"created", "versions", "git_commit", "host", "build_seconds"})  # encoded_on is compared
 
 # What each process runs: the seeded encoder, then build_index / open_or_build_index, reporting the chunks it
 # encoded itself. With "go", it waits for that file first, so that two processes ask at the same moment.

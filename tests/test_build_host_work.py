@@ -9,6 +9,7 @@ import os
 import warnings
 
 import numpy as np
+import torch
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -236,3 +237,78 @@ def test_host_tensor_of_a_read_only_memmap_shares_it_without_a_warning(tmp_path)
     converted = host_tensor(mapped[:, ::2], np.float32)  # strided and converted: a C-ordered copy
     np.testing.assert_array_equal(converted.numpy(), array[:, ::2].astype(np.float32))
     assert converted.is_contiguous()
+
+
+# -- where a build's time went ---------------------------------------------------------------------------------------
+
+def test_index_json_records_the_seconds_of_each_build_stage(tmp_path, monkeypatch, hf_tokenizer):
+    """Each stage slowed by a known amount shows in its own entry, and the entries add up to at most the build."""
+    import time
+
+    from hil.retrieval import builder
+    from hil.retrieval.builder import build_index, rebuild_search_structures
+    from toys import make_encoder, toy_corpus
+
+    def slowed(function, seconds):
+        def run(*args, **kwargs):
+            time.sleep(seconds)
+            return function(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(builder, "encode_corpus", slowed(builder.encode_corpus, 0.4))
+    monkeypatch.setattr(builder, "join_chunks", slowed(builder.join_chunks, 0.2))
+    monkeypatch.setattr(builder, "write_search_files", slowed(builder.write_search_files, 0.3))
+    ids, texts = toy_corpus(30)
+    tick = time.perf_counter()
+    index = build_index(make_encoder(hf_tokenizer), ids, texts, tmp_path / "idx", backend="plaid", progress=False)
+    wall = time.perf_counter() - tick
+    stages = index.meta["build_seconds"]
+    assert list(stages) == ["encode", "join", "search_structures"]
+    assert 0.4 <= stages["encode"] < 0.4 + wall - 0.9
+    assert 0.2 <= stages["join"] < 0.2 + wall - 0.9
+    assert 0.3 <= stages["search_structures"] < 0.3 + wall - 0.9
+    assert sum(stages.values()) <= wall
+    rebuilt = rebuild_search_structures(index, "flat", progress=False)
+    assert list(rebuilt.meta["build_seconds"]) == ["search_structures"]  # encoding and join were the earlier build's
+    assert rebuilt.meta["build_seconds"]["search_structures"] >= 0.3
+
+
+def test_a_batch_sent_to_a_gpu_keeps_what_the_host_knows_of_its_padding(monkeypatch):
+    """An index build's batches go up to a GPU pinned and without waiting, and keep ``has_padding``: without it the
+    backbone reads its mask back from the device (a sync per batch). No GPU here: pinning and the copy are
+    recorded instead of made."""
+    from hil.data.tokenization import TokenizedBatch
+    from hil.retrieval.encoding import _on_device
+
+    calls = []
+    monkeypatch.setattr(TokenizedBatch, "pin_memory", lambda self: calls.append("pin") or self)
+    monkeypatch.setattr(TokenizedBatch, "to", lambda self, device, non_blocking=None:
+                        calls.append(("to", str(device), non_blocking)) or self)
+    for padded in (True, False):
+        batch = TokenizedBatch(torch.ones(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.long),
+                               torch.ones(2, 3, dtype=torch.bool), has_padding=padded)
+        calls.clear()
+        moved = _on_device(batch, torch.device("cuda", 0))
+        assert moved.has_padding is padded and torch.equal(moved.input_ids, batch.input_ids)
+        assert calls == ["pin", ("to", "cuda:0", True)]
+        assert _on_device(batch, torch.device("cpu")) is batch
+
+
+@pytest.mark.parametrize("kind", ["flat", "muvera"])
+def test_faiss_structures_opened_for_the_cpu_and_for_gpu_0_are_cached_apart(tmp_path, hf_tokenizer, kind):
+    """The cache key of an opened FAISS structure said ``use_gpu and gpu_device``: for GPU 0 that is 0, equal to
+    False, so a search asking for GPU 0 got the CPU's structure (and the reverse). Here no GPU exists, so both are
+    CPU objects: what is checked is that each placement opens its own."""
+    from hil.retrieval.backends.registry import open_backend
+    from hil.retrieval.builder import build_index
+    from toys import make_encoder, toy_corpus
+
+    ids, texts = toy_corpus(30)
+    index = build_index(make_encoder(hf_tokenizer), ids, texts, tmp_path / "idx", backend=kind, progress=False)
+    on_cpu, on_gpu0 = open_backend(index, use_gpu=False), open_backend(index, use_gpu=True, gpu_device=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "FAISS sees 0 GPU(s)"
+        first = on_cpu.faiss_index("colbert") if kind == "flat" else on_cpu.structures("colbert")[0]
+        second = on_gpu0.faiss_index("colbert") if kind == "flat" else on_gpu0.structures("colbert")[0]
+    assert first is not second
+    assert len(index.search_structures) == 2

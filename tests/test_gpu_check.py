@@ -102,6 +102,13 @@ def test_evaluation_figures_read_the_model_run_of_metrics_json(check):
     assert figures["run"] == "hil-full" and figures["ndcg@10"] == 0.25
     assert figures["documents_per_s"] == pytest.approx(125.0) and figures["queries_per_s"] == pytest.approx(40.0)
     assert figures["peak_gpu_memory_bytes"] == 123 and figures["peak_rss_bytes"] == 456
+    assert figures["index_build_seconds"] is None  # an index reused: no split
+    assert figures["search_step_seconds"] == {"encode_s": None, "ann_s": None, "score_s": None}
+    metrics["results"]["hil-full"].update(index_build_seconds={"encode": 3.0, "join": 0.2, "search_structures": 0.7},
+                                          search_stats={"encode_s": 0.1, "ann_s": 0.3, "score_s": 0.05, "k": 10})
+    figures = check.evaluation_figures(metrics, {"cuda_max_memory_allocated_bytes": 123, "peak_rss_bytes": 456})
+    assert figures["index_build_seconds"] == {"encode": 3.0, "join": 0.2, "search_structures": 0.7}
+    assert figures["search_step_seconds"] == {"encode_s": 0.1, "ann_s": 0.3, "score_s": 0.05}
     metrics["results"]["colbert-full"] = metrics["results"]["hil-full"]
     with pytest.raises(ValueError, match="one model run"):
         check.evaluation_figures(metrics, {"cuda_max_memory_allocated_bytes": None, "peak_rss_bytes": 1})
@@ -502,6 +509,21 @@ def test_table_prints_a_partial_report_and_refuses_what_is_not_one(check, tmp_pa
                for line in lines)
     assert "  left out: gpu-tests (estimate 60 s, 27 s left)" in lines
     assert any(line.split() == ["colbert", "16-mixed", "3,012.5", "2.00", "GiB", "1.00", "GiB"] for line in lines)
+    record["evaluation"] = [{"model": "colbert", "trained_precision": "16-mixed", "dataset": "scifact",
+                             "backend": "plaid", "device": "cuda", "precision": "fp16", "ndcg@10": 0.6352,
+                             "documents_per_s": 1727.7, "queries_per_s": 3100.0, "peak_gpu_memory_bytes": None,
+                             "index_seconds": 3.0, "search_seconds": 0.0968,
+                             "index_build_seconds": {"encode": 1.91, "join": 0.07, "search_structures": 0.96},
+                             "search_step_seconds": {"encode_s": 0.013, "ann_s": 0.05, "score_s": None}}]
+    path.write_text(json.dumps(record))
+    assert check.main(["--table", str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "    index 3.00 s: encode 1.91 s, join 0.07 s, search structures 0.96 s" in lines
+    assert "    search 0.10 s: query encoding 0.01 s, candidates 0.05 s" in lines
+    record["evaluation"][0].update(index_build_seconds=None, search_step_seconds=None)  # older records
+    path.write_text(json.dumps(record))
+    assert check.main(["--table", str(path)]) == 0
+    assert not [line for line in capsys.readouterr().out.splitlines() if line.startswith(("    index", "    search"))]
     (tmp_path / "other.json").write_text("[1, 2]")
     for bad, words in ((tmp_path / "missing.json", "No such file"), (tmp_path / "other.json", "not a gpu-check")):
         assert check.main(["--table", str(bad)]) == 2
@@ -576,6 +598,10 @@ def check_dry_run(out: Path, stdout: str) -> dict:
         assert run["documents_per_s"] == pytest.approx(metrics["dataset"]["documents"] / result["index_seconds"])
         assert run["queries_per_s"] == pytest.approx(metrics["dataset"]["queries"] / result["search_seconds"])
         assert positive(run["documents_per_s"]) and positive(run["queries_per_s"]) and positive(run["peak_rss_bytes"])
+        build = run["index_build_seconds"]  # each evaluation builds its own index
+        assert list(build) == ["encode", "join", "search_structures"] and sum(build.values()) <= run["index_seconds"]
+        assert all(positive(run["search_step_seconds"][step]) for step in ("encode_s", "ann_s", "score_s"))
+        assert f"    index {run['index_seconds']:,.2f} s: encode" in stdout
         assert (out / f"{run['step']}.log").is_file()
     assert {r["precision"] for r in record["evaluation"]} == {"bf16"}
     assert {r["precision"] for r in record["cpu_reference"]} == {"fp32"}

@@ -316,3 +316,33 @@ def test_cached_gradients_replay_cuda_dropout_and_autocast(hf_tokenizer, precisi
     encoder.train()
     assert_same_gradients(same_chunks_gradients(encoder, 2, seed=11), step_gradients(encoder, seed=11, chunk=2),
                           atol=1e-5)
+
+
+def test_fp16_loss_scaling_reaches_the_objective_before_its_half_precision_backward(hf_tokenizer):
+    """Under fp16 autocast (``16-mixed``) the whole batch's backward carries GradScaler's scale into the objective's
+    half-precision products (the late-interaction matrix product), so their gradients stay in fp16's range. GradCache
+    took the objective's gradient at the forward, unscaled: gradients under ~6e-8 were lost, the rest rounded as
+    subnormals. Here the objective is made small on purpose (x 2^-24) so that its gradients fit fp16 only once
+    scaled by 2^12: GradCache must then give the whole batch's gradients to fp16 rounding (relative 2e-4 measured;
+    0.01 allowed), where taken unscaled they are lost or rounded as subnormals (relative 0.32 measured)."""
+    encoder = ColBERTEncoder("random", dim=16, query_maxlen=12, doc_maxlen=24,
+                             _loaded=backbone(hf_tokenizer, 0.0)).eval()
+    queries, docs = encoder.tokenizer.encode_queries(QUERIES), encoder.tokenizer.encode_documents(COLUMNS[0])
+
+    def objective(encoded_queries, encoded_docs):
+        return 2.0 ** -24 * encoder.score(encoded_queries, encoded_docs).float().sum(), {}
+
+    def scaled_gradients(loss):
+        (loss * 2.0 ** 12).backward()  # as GradScaler.scale(loss).backward(), outside autocast
+        return [g / 2.0 ** 12 for g in parameter_gradients(encoder)]
+
+    encoder.zero_grad()
+    with torch.autocast("cpu", dtype=torch.float16):
+        whole_loss, _ = objective(encoder.encode(queries, True), encoder.encode(docs, False))
+    whole = scaled_gradients(whole_loss)
+    assert all(torch.isfinite(g).all() for g in whole) and max(float(g.abs().max()) for g in whole) > 0
+    encoder.zero_grad()
+    with torch.autocast("cpu", dtype=torch.float16):
+        cached_loss, _ = gradcache.cached_objective(encoder, queries, docs, 2, objective)
+    cached = scaled_gradients(cached_loss)
+    assert GradientError.between(cached, whole).relative < 0.01

@@ -142,11 +142,16 @@ def test_the_nonfinite_policy_costs_no_sync_with_a_fused_optimizer_and_one_for_s
     assert all("callbacks.py" in sync for syncs in quiet.values() for sync in syncs), quiet
 
 
-def test_fp16_loss_scaling_with_a_fused_optimizer_makes_no_host_sync(shared_dir, tmp_path):
+@pytest.mark.parametrize("precision", ["16-mixed-scaled", "bf16-mixed"])
+@pytest.mark.parametrize("clip", [None, 2.0])
+def test_fp16_loss_scaling_with_a_fused_optimizer_makes_no_host_sync(shared_dir, tmp_path, precision, clip):
+    """``presets/gpu.yaml`` on ``configs/colbert.yaml``: a fused AdamW, and ColBERT v1's clipping at norm 2.0
+    (unscaled first: ``RetrieverModule.configure_gradient_clipping``)."""
     count = CountSyncs()
-    scaled = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
-    fit(tmp_path, tiny_module(fused=True), steps=7, precision=None, plugins=(scaled,), callbacks=(count,),
-        enable_checkpointing=False)
+    scaled = precision == "16-mixed-scaled"
+    plugins = (MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu")),) if scaled else ()
+    fit(tmp_path, tiny_module(fused=True), steps=7, precision=None if scaled else precision, plugins=plugins,
+        callbacks=(count,), enable_checkpointing=False, gradient_clip_val=clip)
     quiet = count.between_logging_steps()
     assert quiet == {step: [] for step in quiet}
 

@@ -385,3 +385,21 @@ def test_effective_rank_against_numpy_entropy_of_singular_values():
     assert float(effective_rank(torch.eye(5))) == pytest.approx(5.0)  # every direction used equally
     line = torch.tensor(rng.normal(size=(20, 1))) * torch.tensor([[1.0, 2.0, -1.0]])
     assert float(effective_rank(line)) == pytest.approx(1.0, abs=1e-6)  # all points on one line
+
+
+@pytest.mark.parametrize("shrink", [False, True])
+def test_isoscore_star_under_autocast_computes_its_covariance_in_float32(monkeypatch, shrink):
+    """Under mixed precision (a training step), the covariance's matrix product must not come back in half
+    precision: CUDA's eigvalsh has no half kernel (the first I-STAR step with running shrinkage crashed there) and
+    the docstring promises float32. The CPU's autocast stands in for CUDA's: what reaches eigvalsh is recorded
+    before any cast of its own, and the value equals the one computed without autocast."""
+    seen = []
+    real = torch.linalg.eigvalsh
+    monkeypatch.setattr(torch.linalg, "eigvalsh", lambda matrix: seen.append(matrix.dtype) or real(matrix))
+    points = torch.randn(40, 8, generator=torch.Generator().manual_seed(0))
+    shrinkage = torch.eye(8) if shrink else None
+    expected = isoscore_star(points, shrinkage)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = isoscore_star(points, shrinkage)
+    assert seen == [torch.float32, torch.float32]
+    assert got.dtype == torch.float32 and got.item() == expected.item()

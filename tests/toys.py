@@ -84,7 +84,8 @@ def random_plan(n_docs: int, dim: int, n_centroids: int, max_len: int, seed: int
 
 
 # index.json keys that say when, where and how an index was made, not what it holds
-INDEX_PROVENANCE_KEYS = frozenset({"created", "versions", "git_commit", "host", "encoded_on"})
+INDEX_PROVENANCE_KEYS = frozenset({"created", "versions", "git_commit", "host", "encoded_on",
+                                   "build_seconds"})
 
 
 def assert_same_index(directory: Path, reference: Path, ignore: frozenset[str] = INDEX_PROVENANCE_KEYS) -> None:

@@ -230,6 +230,8 @@ def evaluate(encoder: Encoder, dataset: BeirDataset, settings: EvaluationSetting
         details.update(index_dir=str(store.directory), index_opened=store.how_opened,
                        document_encoding=store.meta.get("document_encoding"),
                        backend=store.backend_settings)
+        if store.how_opened not in ("reused", "opened"):  # built (or partly) here: where index_seconds went
+            details["index_build_seconds"] = store.meta.get("build_seconds")
     evaluation = score_run(name or f"{encoder.architecture}-{settings.mode}", dataset, result.run, settings.metrics,
                            settings.drop_self_matches, **details)
     evaluation.head_scores, evaluation.store = head_scores, store

@@ -10,6 +10,7 @@ True where a token takes part (padding is False); masked tokens are left out of 
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -231,15 +232,25 @@ def isoscore_star(x: Tensor, shrinkage_cov: Tensor | None = None, zeta: float = 
     if not 0.0 <= zeta <= 1.0:
         raise ValueError(f"hil.isotropy.metrics: isoscore_star zeta must lie in [0, 1], got {zeta}")
     compute_dtype = torch.promote_types(x.dtype, torch.float32)
-    sigma = covariance(x.to(compute_dtype))                     # (D, D)
-    if shrinkage_cov is not None:
-        d = x.shape[1]
-        if tuple(shrinkage_cov.shape) != (d, d):
-            raise ValueError(f"hil.isotropy.metrics: isoscore_star shrinkage_cov must be (D, D) = ({d}, {d}), "
-                             f"got {tuple(shrinkage_cov.shape)}")
-        sigma = (1.0 - zeta) * sigma + zeta * shrinkage_cov.to(device=sigma.device, dtype=compute_dtype)
-    eigenvalues = torch.linalg.eigvalsh(sigma).clamp(min=0.0)   # (D,); clamp round-off negatives of a PSD matrix
+    d = x.shape[1]
+    if shrinkage_cov is not None and tuple(shrinkage_cov.shape) != (d, d):
+        raise ValueError(f"hil.isotropy.metrics: isoscore_star shrinkage_cov must be (D, D) = ({d}, {d}), "
+                         f"got {tuple(shrinkage_cov.shape)}")
+    # Outside autocast: under mixed precision its matrix product would come back in half precision, which CUDA's
+    # eigvalsh does not take (the CPU's autocast casts it back up; CUDA's does not).
+    with _autocast_off(x.device):
+        sigma = covariance(x.to(compute_dtype))                 # (D, D)
+        if shrinkage_cov is not None:
+            sigma = (1.0 - zeta) * sigma + zeta * shrinkage_cov.to(device=sigma.device, dtype=compute_dtype)
+        eigenvalues = torch.linalg.eigvalsh(sigma).clamp(min=0.0)  # (D,); clamp round-off negatives of a PSD matrix
     return isoscore_from_variances(eigenvalues)
+
+
+def _autocast_off(device: torch.device) -> contextlib.AbstractContextManager:
+    """A region where autocast, if this device type has one, computes in the tensors' own dtypes."""
+    if torch.amp.is_autocast_available(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -6,13 +6,16 @@ z-score moments, isotropy over the batch), so it cannot simply be accumulated ov
 computation at the token embeddings instead:
 
     1. encode the batch chunk by chunk without a graph, keeping each chunk's random state (dropout);  (B, L, D)
-    2. compute the objective on those embeddings as leaf tensors, and its gradient with respect to them;
+    2. compute the objective on those embeddings as leaf tensors, and (on backward) its gradient with respect to
+       them;
     3. on backward, encode each chunk again with the same random state, now with a graph, and backpropagate
        ``sum(embedding * cached gradient)`` -- the chain rule, one chunk's activations alive at a time.
 
-Step 3 runs from a hook on the returned loss (as PyLate's ``CachedContrastive`` and sentence-transformers'
-``CachedMultipleNegativesRankingLoss`` do), so Lightning's ``loss.backward()``, loss scaling and gradient
-accumulation drive it unchanged (the hook multiplies by the gradient reaching the loss). The replayed forward runs
+The backward of steps 2 and 3 runs from a hook on the returned loss (as PyLate's ``CachedContrastive`` and
+sentence-transformers' ``CachedMultipleNegativesRankingLoss`` do), so Lightning's ``loss.backward()``, loss scaling
+and gradient accumulation drive it unchanged: the gradient reaching the loss enters the objective's backward, as it
+enters the whole batch's (under fp16 loss scaling, scaled before any half-precision product's backward, as there).
+The objective's graph over the embeddings is kept from the forward to the backward, as the whole batch's is. The replayed forward runs
 under the autocast of step 1, its backward outside autocast (as Lightning's). The parameter gradients equal those of
 the whole batch at once up to floating-point reordering (``tests/test_gradcache.py``; under bf16 autocast, up to the
 rounding that any other chunking of the batch shows too); the price is a second forward pass
@@ -146,15 +149,19 @@ def cached_objective(encoder: Encoder, queries: TokenizedBatch, docs: TokenizedB
     with torch.enable_grad():
         loss, parts = objective(query_leaves, doc_leaves)                                   # step 2
     leaves = [*query_leaves.heads.values(), *doc_leaves.heads.values()]
-    with autocast.suspended():  # the objective's backward outside autocast too, as the whole batch's
-        gradients = torch.autograd.grad(loss, leaves, allow_unused=True)
-    gradients = [torch.zeros_like(leaf) if grad is None else grad for leaf, grad in zip(leaves, gradients)]
     n_query_heads = len(query_leaves.heads)
-    query_side.gradients = dict(zip(query_leaves.heads, gradients[:n_query_heads]))
-    doc_side.gradients = dict(zip(doc_leaves.heads, gradients[n_query_heads:]))
 
-    def replay(grad_output: Tensor) -> None:                                                # step 3
-        with torch.enable_grad(), autocast.context():
+    def replay(grad_output: Tensor) -> None:
+        # Step 2's gradient, taken at backward time: the gradient reaching the loss (GradScaler's scale under fp16,
+        # 1/n under accumulation) enters the objective's backward as it enters the whole batch's, so no gradient
+        # of the objective's half-precision products underflows before it is scaled. Outside autocast, as the
+        # whole batch's backward.
+        with autocast.suspended():
+            gradients = torch.autograd.grad(loss, leaves, grad_outputs=grad_output.to(loss.dtype), allow_unused=True)
+        gradients = [torch.zeros_like(leaf) if grad is None else grad for leaf, grad in zip(leaves, gradients)]
+        query_side.gradients = dict(zip(query_leaves.heads, gradients[:n_query_heads]))
+        doc_side.gradients = dict(zip(doc_leaves.heads, gradients[n_query_heads:]))
+        with torch.enable_grad(), autocast.context():                                       # step 3
             for side in (query_side, doc_side):
                 for rows, state in zip(side.chunks, side.states):
                     with state.restored():
@@ -162,7 +169,8 @@ def cached_objective(encoder: Encoder, queries: TokenizedBatch, docs: TokenizedB
                     surrogate = sum((encoded.heads[name] * gradient[rows].to(encoded.heads[name].dtype)).sum()
                                     for name, gradient in side.gradients.items())
                     with autocast.suspended():  # the forward under autocast, its backward outside, as the batch's
-                        (surrogate * grad_output.to(surrogate.dtype)).backward()
+                        surrogate.backward()
+        query_side.gradients = doc_side.gradients = None
 
     value = loss.detach().requires_grad_()
     value.register_hook(replay)

@@ -131,6 +131,27 @@ def logs_this_step(trainer: pl.Trainer) -> bool:
     return bool(trainer._logger_connector.should_update_logs)
 
 
+def clip_unscaled_gradients(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None, clip_val: float,
+                            algorithm: str = "norm") -> None:
+    """Clip the gradients of ``optimizer``'s parameters to norm (or, ``algorithm="value"``, to value) ``clip_val``,
+    unscaled first by ``scaler`` under fp16 loss scaling -- as ColBERT v1 does (colbertv1 branch,
+    colbert/utils/amp.py: ``scaler.unscale_(optimizer)``, then ``clip_grad_norm_(..., 2.0)``).
+
+    Why here: Lightning clips after unscaling, but skips the unscaling for an optimizer that unscales in its own
+    step (``fused: true``), and then refuses to clip at all ("does not allow for gradient clipping"), under
+    ``bf16-mixed`` too. Unscaled here, the GradScaler records it (on the device, no host sync), so its step neither
+    unscales again nor reads anything back, and still skips a step whose gradients are not finite."""
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    parameters = [param for group in optimizer.param_groups for param in group["params"] if param.grad is not None]
+    if algorithm == "value":
+        torch.nn.utils.clip_grad_value_(parameters, clip_val)
+    elif algorithm == "norm":
+        torch.nn.utils.clip_grad_norm_(parameters, clip_val)
+    else:
+        raise ValueError(f"gradient_clip_algorithm must be 'norm' or 'value' (got {str(algorithm)!r})")
+
+
 class RetrieverModule(pl.LightningModule):
     """Composes an encoder and the weighted terms of its objective; logs the loss and every term's parts.
 
@@ -263,6 +284,16 @@ class RetrieverModule(pl.LightningModule):
             return {"optimizer": optimizer}
         return {"optimizer": optimizer,
                 "lr_scheduler": {"scheduler": self.scheduler_factory(optimizer), "interval": "step"}}
+
+    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
+                                    gradient_clip_algorithm: str | None = None) -> None:
+        """Lightning's clipping, and the same for an optimizer that unscales fp16 gradients itself (``fused: true``,
+        ``presets/gpu.yaml``), which Lightning's mixed precision refuses to clip: :func:`clip_unscaled_gradients`."""
+        if gradient_clip_val and getattr(optimizer, "_step_supports_amp_scaling", False):
+            clip_unscaled_gradients(optimizer, getattr(self.trainer.precision_plugin, "scaler", None),
+                                    float(gradient_clip_val), gradient_clip_algorithm or "norm")
+        else:
+            super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     # -- init / export --------------------------------------------------------------------------------------------
     def load_initial_weights(self, source: str | None) -> None:

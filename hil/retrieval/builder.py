@@ -64,6 +64,23 @@ AUTOCAST_ENCODINGS = (None, "compile")  # document encodings that run PyTorch's 
 _HEAD_NAME = re.compile(r"^[A-Za-z0-9_\-]+$")
 
 
+class _StageClock:
+    """Wall seconds of a build's stages, as ``index.json`` records them (``build_seconds``): where a build's time
+    went, on the machine that built it. ``encode`` is tokenizing and encoding the chunks (the chunks a resumed build
+    reused cost nothing), ``join`` the chunks into the index's arrays, ``search_structures`` the back-end's files
+    (PLAID: k-means, codes, inverted file). Each stage ends with a host read of its results, so on a GPU the time is
+    the stage's own."""
+
+    def __init__(self) -> None:
+        self.stages: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def stage(self, name: str) -> None:
+        now = time.perf_counter()
+        self.stages[name] = round(now - self._last, 3)
+        self._last = now
+
+
 # -- search structures ------------------------------------------------------------------------------------------
 
 def backend_from(backend: str | IndexConfig = "flat", faiss_kind: str | None = None,
@@ -137,10 +154,13 @@ def rebuild_search_structures(index: TokenIndex, backend: str | IndexConfig, *, 
     leaves files that disagree with ``index.json``, which the next open reports (and :func:`open_or_build_index`
     rebuilds)."""
     with file_lock(lock_path(index.directory), what="rebuilding its search structures"):
+        seconds = _StageClock()
         settings = write_search_files(index.directory, index.embeddings, index_config(backend), use_gpu, progress,
                                       gpu_device, device)
+        seconds.stage("search_structures")
         meta = {key: value for key, value in index.meta.items() if key != "faiss"}
-        seal_index(index.directory, dict(meta, backend=settings))
+        # The encoding's and join's seconds belong to the earlier build: only what this one did is recorded.
+        seal_index(index.directory, dict(meta, backend=settings, build_seconds=seconds.stages))
         # The checksums were just computed from these very files: the sizes say they are the ones recorded.
         return TokenIndex.load(index.directory, mmap=index.memory_mapped, verify="sizes")
 
@@ -279,14 +299,18 @@ def build_index(encoder: Encoder, doc_ids: Sequence[str], texts: Sequence[str], 
                              calibration_texts=_calibration_texts(texts, calibration_docs), precision=precision,
                              progress=progress, description=f"encoding {directory}",
                              tokenizer_workers=tokenizer_workers)
+        seconds = _StageClock()
         identity = encode_corpus(job, processes)
+        seconds.stage("encode")
         metas = collect_chunks(build / CHUNKS_DIR, len(texts), chunk_docs, heads, identity)
         n_tokens = join_chunks(build / CHUNKS_DIR, build, heads, metas)
         write_json_atomic(build / DOC_IDS_JSON, list(doc_ids))
+        seconds.stage("join")
         kill_if_asked("joined")
 
         embeddings = {head: np.load(embeddings_path(build, head), mmap_mode="r") for head in heads}
         backend_settings = write_search_files(build, embeddings, config, use_gpu, progress, gpu_device, device)
+        seconds.stage("search_structures")
         del embeddings
         shutil.rmtree(build / CHUNKS_DIR)
         dims = metas[0]["dims"]
@@ -299,6 +323,7 @@ def build_index(encoder: Encoder, doc_ids: Sequence[str], texts: Sequence[str], 
                           encoding_batch_size=encoding_batch_sizes(metas),
                           encoded_on={"device": str(device) if processes == 1 else device.type,
                                       "processes": processes},
+                          build_seconds=seconds.stages,
                           **({"document_encoding": document_encoding} if document_encoding else {}))
         seal_index(build, meta)  # last: its presence marks the folder a finished index
         kill_if_asked("sealed")

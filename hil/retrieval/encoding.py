@@ -158,8 +158,9 @@ def _on_device(batch: TokenizedBatch, device: torch.device) -> TokenizedBatch:
     as it is."""
     if device.type != "cuda":
         return batch
-    return TokenizedBatch(*(tensor.pin_memory().to(device, non_blocking=True)
-                            for tensor in (batch.input_ids, batch.attention_mask, batch.scoring_mask)))
+    # Through the batch's own methods, which keep has_padding: without it the backbone reads its mask back from the
+    # device to find out (transformers' padding check), a sync per batch.
+    return batch.pin_memory().to(device, non_blocking=True)
 
 
 def _to_host(tensors: list[torch.Tensor]) -> list[np.ndarray]:

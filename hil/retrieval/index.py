@@ -2,7 +2,8 @@
 
 Layout of an index folder ``<dir>``::
 
-    index.json                 settings, counts, fingerprints, search-structure settings ("backend"), provenance
+    index.json                 settings, counts, fingerprints, search-structure settings ("backend"), provenance,
+                               the seconds of each build stage ("build_seconds")
     doc_ids.json               document ids, in corpus order
     doc_offsets.npy            (n_docs + 1,) int64: document i owns tokens [offsets[i], offsets[i+1])
     token_ids.npy              (n_tokens,) int32: the vocabulary id of every stored token (for analysis / IDF)

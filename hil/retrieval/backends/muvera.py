@@ -197,7 +197,8 @@ class MuveraBackend(SearchBackend):
         """(FAISS index, FDE sketch, transform mean, transform matrix) of ``head``, read on first use and kept with
         the opened index."""
         self.index.require_head(head)
-        key = ("muvera", head, self.use_gpu and self.gpu_device)
+        # Not `use_gpu and gpu_device`: GPU 0's key was then 0, equal to False, the CPU's.
+        key = ("muvera", head, ("gpu", self.gpu_device) if self.use_gpu else "cpu")
         cache = self.index.search_structures
         if key not in cache:
             import faiss

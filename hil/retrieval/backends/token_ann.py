@@ -157,7 +157,9 @@ class TokenAnnBackend(SearchBackend):
         every search of the opened index, each with its own settings)."""
         self.index.require_head(head)
         on_accelerator = device is not None and device.type != "cpu"
-        key = ("faiss", head, self.use_gpu and self.gpu_device, str(device) if on_accelerator else None)
+        # Not `use_gpu and gpu_device`: GPU 0's key was then 0, equal to False, the CPU's.
+        where = ("gpu", self.gpu_device) if self.use_gpu else "cpu"
+        key = ("faiss", head, where, str(device) if on_accelerator else None)
         cache = self.index.search_structures
         if key not in cache:
             cache[key] = self._open_faiss(head, device)
