@@ -238,3 +238,121 @@ def test_istar_with_running_shrinkage_moves_isoscore_the_intended_way(lam):
     before, after = _train_only_regularizer(IStarRegularizer(lam, shrinkage_target="running", dim=8))
     change = after["isoscore"] - before["isoscore"]
     assert (change > 0.1) if lam > 0 else (change < -0.1), (before, after)
+
+
+# -- the valid tokens weighted instead of selected (no host sync on an accelerator) ---------------------------------
+
+def weighted_and_selected(seed: int, valid: int | None = None):
+    """A padded (B, L, D) token batch and its mask; ``valid`` keeps only that many valid tokens (0 or 1: no pair)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(3, 5, 6, generator=g, dtype=torch.float64)
+    mask = torch.rand(3, 5, generator=g) > 0.3
+    if valid is not None:
+        mask[:] = False
+        mask.view(-1)[:valid] = True
+    return x, mask
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_weighted_token_clouds_equal_the_selected_ones(seed):
+    """CosReg, I-STAR (identity and no shrinkage) and the covariance on (points, weights) against the same
+    functions on the selected valid tokens (and the covariance against torch.cov), values and gradients."""
+    from hil.isotropy.metrics import covariance, token_cloud
+
+    x, mask = weighted_and_selected(seed)
+    selected = masked_tokens(x, mask)
+    points, weights = token_cloud(x, mask)
+    assert weights.dtype == x.dtype and weights.tolist() == mask.reshape(-1).double().tolist()
+    torch.testing.assert_close(covariance(points, weights), torch.cov(selected.T), rtol=1e-12, atol=1e-12)
+    for name, weighted, plain in [
+            ("cosreg", lambda p, w: cosreg(p, w), lambda p: cosreg(p)),
+            ("istar identity", lambda p, w: istar_reg(p, torch.eye(6), 0.2, w), lambda p: istar_reg(p, torch.eye(6))),
+            ("istar batch", lambda p, w: istar_reg(p, None, 0.2, w), lambda p: istar_reg(p, None))]:
+        leaf_a, leaf_b = x.clone().requires_grad_(), x.clone().requires_grad_()
+        value_a = weighted(*token_cloud(leaf_a, mask))
+        value_b = plain(masked_tokens(leaf_b, mask))
+        torch.testing.assert_close(value_a, value_b, rtol=1e-10, atol=1e-12, msg=name)
+        value_a.backward()
+        value_b.backward()
+        torch.testing.assert_close(leaf_a.grad, leaf_b.grad, rtol=1e-8, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("valid", [0, 1])
+def test_a_weighted_cloud_without_a_pair_gives_0_and_finite_gradients(valid):
+    from hil.isotropy.metrics import token_cloud
+
+    x, mask = weighted_and_selected(0, valid)
+    for term in (lambda p, w: cosreg(p, w), lambda p, w: istar_reg(p, torch.eye(6), 0.2, w),
+                 lambda p, w: istar_reg(p, None, 0.2, w)):
+        leaf = x.clone().requires_grad_()
+        value = term(*token_cloud(leaf, mask))
+        assert value.item() == 0.0
+        value.backward()
+        assert torch.isfinite(leaf.grad).all() and not leaf.grad.any()
+
+
+@pytest.mark.parametrize("regularizer", [lambda: CosRegRegularizer(0.2), lambda: IStarRegularizer(-0.6),
+                                         lambda: IStarRegularizer(0.2, shrinkage_target="running", dim=6)])
+def test_on_an_accelerator_the_token_cloud_terms_read_nothing_back(regularizer, monkeypatch):
+    """The path taken off the CPU (forced here): no boolean selection, no scalar read (what waits for a GPU), and
+    the same values to rounding as the CPU's selection; I-STAR's running average too (its update count, read once
+    a step, is the one read left: running shrinkage only)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hil.isotropy import regularizers
+    from hil.isotropy.metrics import token_cloud
+
+    class Reads(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.nonzero.default, torch.ops.aten._local_scalar_dense.default,
+                        torch.ops.aten.masked_select.default):
+                self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    queries, query_mask = weighted_and_selected(1)
+    docs, doc_mask = weighted_and_selected(2)
+    on_cpu, off_cpu = regularizer(), regularizer()
+    expected = [on_cpu.term(queries, docs, query_mask, doc_mask)[0] for _ in range(2)]
+    monkeypatch.setattr(regularizers, "_valid_tokens", lambda device: token_cloud)
+    reads = Reads()
+    got = []
+    for _ in range(2):
+        with reads:
+            got.append(off_cpu.term(queries, docs, query_mask, doc_mask)[0])
+    running = getattr(on_cpu, "shrinkage_target", None) == "running"
+    assert reads.ops == (["aten._local_scalar_dense.default"] * 4 if running else [])
+    # fp64 points; the running average is a float32 buffer, whose rounding the two paths reach differently
+    torch.testing.assert_close(torch.stack(got), torch.stack(expected), rtol=1e-6 if running else 1e-10, atol=1e-12)
+    if running:
+        for side in ("query", "doc"):
+            torch.testing.assert_close(getattr(off_cpu, f"{side}_shrinkage_cov"),
+                                       getattr(on_cpu, f"{side}_shrinkage_cov"), rtol=1e-6, atol=1e-7)
+            assert int(getattr(off_cpu, f"{side}_shrinkage_updates")) == 2
+
+
+def test_the_token_cloud_is_selected_on_a_cpu_and_weighted_elsewhere():
+    from hil.isotropy.metrics import token_cloud
+    from hil.isotropy.regularizers import _selected_tokens, _valid_tokens
+
+    assert _valid_tokens(torch.device("cpu")) is _selected_tokens
+    assert _valid_tokens(torch.device("cuda", 0)) is token_cloud and _valid_tokens(torch.device("meta")) is token_cloud
+
+
+@pytest.mark.parametrize("valid", [0, 1])
+def test_the_running_average_skips_a_weighted_cloud_without_a_pair(valid, monkeypatch):
+    from hil.isotropy import regularizers
+    from hil.isotropy.metrics import token_cloud
+
+    monkeypatch.setattr(regularizers, "_valid_tokens", lambda device: token_cloud)
+    istar = IStarRegularizer(0.2, shrinkage_target="running", dim=6)
+    full, full_mask = weighted_and_selected(3)
+    istar.term(full, full, full_mask, full_mask)  # one real update
+    before = istar.query_shrinkage_cov.clone()
+    sparse, sparse_mask = weighted_and_selected(4, valid)
+    istar.term(sparse, full, sparse_mask, full_mask)
+    assert torch.equal(istar.query_shrinkage_cov, before) and int(istar.query_shrinkage_updates) == 1
+    assert int(istar.doc_shrinkage_updates) == 2

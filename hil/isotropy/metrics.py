@@ -56,6 +56,18 @@ def masked_tokens(x: Tensor, mask: Tensor | None = None) -> Tensor:
     return x[mask]
 
 
+def token_cloud(x: Tensor, mask: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """The tokens of a batch as one point cloud with the valid ones marked instead of selected: x (B, L, D),
+    mask (B, L) bool -> points (B L, D) and weights (B L,) 1.0 / 0.0 in x's dtype (None without a mask).
+
+    What :func:`masked_tokens` selects, without its boolean indexing, which reads the number of valid tokens back
+    from the device (a host sync on a GPU each training step). :func:`covariance` and :func:`isoscore_star` take
+    the weights; zeroed rows contribute nothing to :func:`sum_offdiagonal_cosines`."""
+    _check_tokens("token_cloud", x, mask)
+    points = x.reshape(-1, x.shape[-1])
+    return points, None if mask is None else mask.reshape(-1).to(x.dtype)
+
+
 # --------------------------------------------------------------------------------------------------------------
 # InterIso (HIL Eq. 2)
 # --------------------------------------------------------------------------------------------------------------
@@ -204,14 +216,23 @@ def effective_rank(x: Tensor) -> Tensor:
     return torch.exp(-(p * p.log()).sum())
 
 
-def covariance(x: Tensor) -> Tensor:
-    """Sample covariance (ddof 1, as ``torch.cov`` and the I-STAR code) of points x (N, D) -> (D, D). Differentiable."""
+def covariance(x: Tensor, weights: Tensor | None = None) -> Tensor:
+    """Sample covariance (ddof 1, as ``torch.cov`` and the I-STAR code) of points x (N, D) -> (D, D). Differentiable.
+
+    ``weights`` (N,) 1.0 / 0.0 (:func:`token_cloud`): the covariance of the rows weighted 1 only, as if the others
+    were not there, counted on the device; with fewer than 2 such rows (no covariance) the zero matrix."""
     _check_points("covariance", x)
-    centered = x - x.mean(dim=0, keepdim=True)
-    return centered.T @ centered / (x.shape[0] - 1)
+    if weights is None:
+        centered = x - x.mean(dim=0, keepdim=True)
+        return centered.T @ centered / (x.shape[0] - 1)
+    w = weights.to(x.dtype)[:, None]                                  # (N, 1)
+    n = w.sum()
+    centered = (x - (x * w).sum(dim=0, keepdim=True) / n.clamp(min=1)) * w
+    return centered.T @ centered / (n - 1).clamp(min=1)
 
 
-def isoscore_star(x: Tensor, shrinkage_cov: Tensor | None = None, zeta: float = 0.2) -> Tensor:
+def isoscore_star(x: Tensor, shrinkage_cov: Tensor | None = None, zeta: float = 0.2,
+                  weights: Tensor | None = None) -> Tensor:
     """IsoScore* of I-STAR (Rudman & Eickhoff 2023): IsoScore computed from a shrinkage covariance, differentiable.
 
     x (N, D), N >= 2, shrinkage_cov C (D, D) or None -> scalar.
@@ -226,7 +247,7 @@ def isoscore_star(x: Tensor, shrinkage_cov: Tensor | None = None, zeta: float = 
     C_i, a covariance re-estimated each epoch; HIL A.3 uses the identity matrix, IsoScore(X, I). Cov(x) uses
     ddof 1 as ``torch.cov``. With ``shrinkage_cov=None`` (or zeta = 0) this is IsoScore of the batch covariance
     alone and equals ``isoscore(x)`` up to float error. Computed in float32 at least (eigvalsh has no half
-    precision), returned in that dtype.
+    precision), returned in that dtype. ``weights``: as :func:`covariance`'s (the valid tokens of a padded batch).
     """
     _check_points("isoscore_star", x)
     if not 0.0 <= zeta <= 1.0:
@@ -239,7 +260,7 @@ def isoscore_star(x: Tensor, shrinkage_cov: Tensor | None = None, zeta: float = 
     # Outside autocast: under mixed precision its matrix product would come back in half precision, which CUDA's
     # eigvalsh does not take (the CPU's autocast casts it back up; CUDA's does not).
     with _autocast_off(x.device):
-        sigma = covariance(x.to(compute_dtype))                 # (D, D)
+        sigma = covariance(x.to(compute_dtype), weights)        # (D, D)
         if shrinkage_cov is not None:
             sigma = (1.0 - zeta) * sigma + zeta * shrinkage_cov.to(device=sigma.device, dtype=compute_dtype)
         eigenvalues = torch.linalg.eigvalsh(sigma).clamp(min=0.0)  # (D,); clamp round-off negatives of a PSD matrix

@@ -25,7 +25,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from hil.isotropy.metrics import covariance, inter_iso, isoscore_star, masked_tokens, sum_offdiagonal_cosines
+from hil.isotropy.metrics import (covariance, inter_iso, isoscore_star, masked_tokens, sum_offdiagonal_cosines,
+                                  token_cloud)
 
 ShrinkageTarget = Literal["identity", "running"]
 SHRINKAGE_TARGETS: tuple[str, ...] = ("identity", "running")
@@ -52,33 +53,43 @@ def interiso_reg(inter_iso_values: Tensor, absolute: bool) -> Tensor:
     return per_pair.mean()
 
 
-def cosreg(x: Tensor) -> Tensor:
+def cosreg(x: Tensor, weights: Tensor | None = None) -> Tensor:
     """CosReg of Gao et al. (2019), HIL A.1 / A.3: ``1 / M^2 * sum_i sum_{j != i} x^_i^T x^_j`` over M points.
 
     x (M, D) -> scalar. Rows are L2-normalized (A.1's x^_i = x_i / ||x_i||; a no-op on the encoders' normalized
     embeddings). Note the 1 / M^2 (not 1 / (M (M - 1)) as Avg-Cos), as the paper and the I-STAR reference code.
-    With fewer than 2 points there is no pair and the term is 0.
+    With fewer than 2 points there is no pair and the term is 0. ``weights`` (M,) 1.0 / 0.0
+    (:func:`~hil.isotropy.metrics.token_cloud`): the points weighted 1 only, counted on the device (no host sync).
     """
     if x.dim() != 2:
         raise ValueError(f"hil.isotropy.regularizers: cosreg expects points (M, D), got shape {tuple(x.shape)}")
+    if weights is not None:
+        m = weights.sum()
+        total = sum_offdiagonal_cosines(x * weights[:, None].to(x.dtype))  # zero rows contribute nothing
+        return torch.where(m >= 2, total / m.to(total.dtype).clamp(min=1).square(), torch.zeros_like(total))
     m = x.shape[0]
     if m < 2:
         return x.sum() * 0.0  # keeps the graph and device
     return sum_offdiagonal_cosines(x) / m ** 2
 
 
-def istar_reg(x: Tensor, shrinkage_cov: Tensor | None, zeta: float = 0.2) -> Tensor:
+def istar_reg(x: Tensor, shrinkage_cov: Tensor | None, zeta: float = 0.2, weights: Tensor | None = None) -> Tensor:
     """I-STAR term of Rudman & Eickhoff (2023), HIL A.1 / A.3: ``1 - IsoScore*(x, C)``.
 
     x (M, D), shrinkage_cov C (D, D) or None (batch covariance alone) -> scalar in [0, 1]; 0 when the shrunk
     covariance is isotropic. Minimizing it (lambda > 0) spreads variance over more directions, maximizing it
     (lambda < 0) concentrates it. With fewer than 2 points the covariance is undefined and the term is 0.
+    ``weights``: as :func:`cosreg`'s (the rows weighted 1 only, counted on the device).
     """
     if x.dim() != 2:
         raise ValueError(f"hil.isotropy.regularizers: istar_reg expects points (M, D), got shape {tuple(x.shape)}")
     if x.shape[0] < 2:
         return x.sum() * 0.0
-    return 1.0 - isoscore_star(x, shrinkage_cov, zeta)
+    if weights is None:
+        return 1.0 - isoscore_star(x, shrinkage_cov, zeta)
+    # With fewer than 2 weighted rows the covariance is the zero matrix (finite, as its gradient): the term is 0.
+    value = 1.0 - isoscore_star(x, shrinkage_cov, zeta, weights)
+    return torch.where(weights.sum() >= 2, value, torch.zeros_like(value))
 
 
 def mean_token_dot(queries: Tensor, docs: Tensor) -> Tensor:
@@ -213,20 +224,34 @@ class ConditionalIsotropyRegularizer(Regularizer):
         return reg, {"reg": reg.detach()}
 
 
+def _selected_tokens(x: Tensor, mask: Tensor | None) -> tuple[Tensor, None]:
+    return masked_tokens(x, mask), None
+
+
+def _valid_tokens(device: torch.device):
+    """How a token cloud's valid tokens are taken on ``device``: selected on a CPU (no sync to save there, and the
+    objective stays bit for bit what it was: tests/test_terms.py), weighted elsewhere
+    (:func:`~hil.isotropy.metrics.token_cloud`: a boolean selection reads its size back from the device, a host
+    sync each step; the weighted terms equal the selected ones to rounding)."""
+    return _selected_tokens if device.type == "cpu" else token_cloud
+
+
 class _TokenCloudRegularizer(Regularizer):
     """HIL A.3 for CosReg and I-STAR: ``lambda / 2 * (L_reg(q) + L_reg(d))``, each on the flattened valid tokens
     of the batch, queries and documents separately. Logs ``reg`` (the mean of the two sides), ``reg_query`` and
     ``reg_doc``."""
 
     @abstractmethod
-    def side_term(self, side: str, points: Tensor) -> Tensor:
-        """L_reg of one token cloud (``side`` is "query" or "doc"). points (N, D) -> scalar."""
+    def side_term(self, side: str, points: Tensor, weights: Tensor | None) -> Tensor:
+        """L_reg of one token cloud (``side`` is "query" or "doc"). points (N, D), weights (N,) 1.0 for the valid
+        tokens, 0.0 for padding (None: all valid) -> scalar."""
 
     def term(self, queries: Tensor, docs: Tensor, query_mask: Tensor | None = None,
              doc_mask: Tensor | None = None, pair_index: Tensor | None = None,
              inter_iso_values: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
-        reg_query = self.side_term("query", masked_tokens(queries, query_mask))  # over (Nq, D)
-        reg_doc = self.side_term("doc", masked_tokens(docs, doc_mask))            # over (Nd, D)
+        cloud = _valid_tokens(queries.device)
+        reg_query = self.side_term("query", *cloud(queries, query_mask))
+        reg_doc = self.side_term("doc", *cloud(docs, doc_mask))
         reg = (reg_query + reg_doc) / 2  # lambda * reg = lambda / 2 * (..): halving is exact in floating point
         return reg, {"reg": reg.detach(), "reg_query": reg_query.detach(), "reg_doc": reg_doc.detach()}
 
@@ -234,8 +259,8 @@ class _TokenCloudRegularizer(Regularizer):
 class CosRegRegularizer(_TokenCloudRegularizer):
     """CosReg (Gao et al. 2019; HIL A.1 / A.3) on the query and document token clouds (see :func:`cosreg`)."""
 
-    def side_term(self, side: str, points: Tensor) -> Tensor:
-        return cosreg(points)
+    def side_term(self, side: str, points: Tensor, weights: Tensor | None) -> Tensor:
+        return cosreg(points, weights)
 
 
 class IStarRegularizer(_TokenCloudRegularizer):
@@ -289,10 +314,10 @@ class IStarRegularizer(_TokenCloudRegularizer):
         return {**super().settings(), "zeta": self.zeta, "shrinkage_target": self.shrinkage_target,
                 "momentum": self.momentum, "dim": self.dim}
 
-    def side_term(self, side: str, points: Tensor) -> Tensor:
-        return istar_reg(points, self._shrinkage(side, points), self.zeta)
+    def side_term(self, side: str, points: Tensor, weights: Tensor | None) -> Tensor:
+        return istar_reg(points, self._shrinkage(side, points, weights), self.zeta, weights)
 
-    def _shrinkage(self, side: str, points: Tensor) -> Tensor | None:
+    def _shrinkage(self, side: str, points: Tensor, weights: Tensor | None) -> Tensor | None:
         """C for one side as it stood before this step; updates the running average in training."""
         d = points.shape[-1]
         if self.shrinkage_target == "identity":
@@ -306,13 +331,19 @@ class IStarRegularizer(_TokenCloudRegularizer):
         if running.shape != (d, d):
             raise ValueError(f"hil.isotropy.regularizers: IStarRegularizer was built with dim={self.dim} but the "
                              f"{side} embeddings have D = {d}")
-        current = running.clone() if int(updates) > 0 else None  # None: no history yet, batch covariance alone
+        # None: no history yet, batch covariance alone. (One host read a step: running shrinkage only.)
+        current = running.clone() if int(updates) > 0 else None
         if self.training and points.shape[0] >= 2:
             with torch.no_grad():
-                batch_cov = covariance(points.detach().float()).to(running.dtype)  # (D, D)
-                if current is None:
-                    running.copy_(batch_cov)
-                else:
-                    running.mul_(1.0 - self.momentum).add_(batch_cov, alpha=self.momentum)
-                updates.add_(1)
+                weights_32 = None if weights is None else weights.float()
+                batch_cov = covariance(points.detach().float(), weights_32).to(running.dtype)  # (D, D)
+                blended = batch_cov if current is None else \
+                    running.mul(1.0 - self.momentum).add(batch_cov, alpha=self.momentum)
+                if weights is None:
+                    running.copy_(blended)
+                    updates.add_(1)
+                else:  # fewer than 2 valid tokens: no covariance, the average stays (decided on the device)
+                    enough = weights.sum() >= 2
+                    running.copy_(torch.where(enough, blended, running))
+                    updates.add_(enough.to(updates.dtype))
         return current
