@@ -56,6 +56,21 @@ def git_commit() -> str | None:
     return out.stdout.strip() or None if out.returncode == 0 else None
 
 
+class StageClock:
+    """Wall seconds of the stages of a piece of work, as its record keeps them: ``stage(name)`` records the time
+    since the previous stage ended (or since the clock was made), rounded to ``digits``."""
+
+    def __init__(self, digits: int = 3) -> None:
+        self.stages: dict[str, float] = {}
+        self.digits = digits
+        self._last = time.perf_counter()
+
+    def stage(self, name: str) -> None:
+        now = time.perf_counter()
+        self.stages[name] = round(now - self._last, self.digits)
+        self._last = now
+
+
 def provenance(settings: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
     """A record for an artifact: creation time, versions, git commit, the settings and anything extra."""
     record: dict[str, Any] = {

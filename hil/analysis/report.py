@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,7 +46,7 @@ from hil.retrieval.backends.configs import configs_from_params, with_search_valu
 from hil.evaluation.evaluate import Evaluation, EvaluationSettings, run_name
 from hil.evaluation.runner import DatasetSpec, Experiment, ModelSpec, StatisticsSettings, run_experiment
 from hil.evaluation.metrics import DEFAULT_METRICS
-from hil.provenance import provenance, write_json_atomic
+from hil.provenance import StageClock, provenance, write_json_atomic
 from hil.retrieval.index import encoder_fingerprint
 
 __all__ = ["AnalysisConfig", "Variant", "REPORT_METRICS", "STAT_METRICS", "evaluate_variants", "run_analysis",
@@ -171,24 +170,12 @@ def evaluate_variants(config: AnalysisConfig) -> tuple[Any, Evaluation, list[Var
     return result.dataset, bm25.evaluation, variants, compare
 
 
-class _Laps:
-    """Seconds per stage: ``lap(name)`` records the time since the previous lap."""
-
-    def __init__(self) -> None:
-        self.timings: dict[str, float] = {}
-        self._clock = time.perf_counter()
-
-    def __call__(self, name: str) -> None:
-        now = time.perf_counter()
-        self.timings[name] = round(now - self._clock, 2)
-        self._clock = now
-
-
 def run_analysis(config: AnalysisConfig) -> dict[str, Any]:
     """Run every instrument and write ``report.json``, ``report.md`` and the PNG figures to ``config.output``."""
     output = Path(config.output)
     output.mkdir(parents=True, exist_ok=True)
-    lap, notes, seed = _Laps(), [], config.seed
+    clock, notes, seed = StageClock(digits=2), [], config.seed
+    lap = clock.stage
     dataset, bm25, variants, compare = evaluate_variants(config)
     lap("evaluations")
     base = variants[0]
@@ -229,7 +216,7 @@ def run_analysis(config: AnalysisConfig) -> dict[str, Any]:
         **provenance(asdict(config)), "dataset": _dataset_record(dataset), "runs": _runs_record(bm25, variants),
         "statistics": statistics, "thresholds": thresholds, "token_cosines": cosines,
         "token_cosine_pairs": len(pair_ids), "layers": layers, "head_overlap": overlaps, "isotropy": isotropy,
-        "vocabulary": vocab, "figures": figures, "notes": notes, "timings_s": lap.timings})
+        "vocabulary": vocab, "figures": figures, "notes": notes, "timings_s": clock.stages})
     write_json_atomic(output / "report.json", report)
     (output / "report.md").write_text(render_markdown(report, STAT_METRICS), encoding="utf-8")
     return report

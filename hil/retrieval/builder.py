@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from hil.modeling.contracts import Encoder
-from hil.provenance import file_lock, lock_path, provenance, replace_directory, write_json_atomic
+from hil.provenance import StageClock, file_lock, lock_path, provenance, replace_directory, write_json_atomic
 from hil.retrieval.backends.configs import IndexConfig, configs_from_params, index_config
 from hil.retrieval.backends.registry import BACKENDS, backend_class
 from hil.retrieval.chunks import collect_chunks, encoding_batch_sizes, join_chunks, kill_if_asked
@@ -62,23 +62,6 @@ DEFAULT_BATCH_SIZE = {"cpu": 32, "cuda": 128}
 CHUNKS_DIR = "chunks"
 AUTOCAST_ENCODINGS = (None, "compile")  # document encodings that run PyTorch's own kernels, where autocast applies
 _HEAD_NAME = re.compile(r"^[A-Za-z0-9_\-]+$")
-
-
-class _StageClock:
-    """Wall seconds of a build's stages, as ``index.json`` records them (``build_seconds``): where a build's time
-    went, on the machine that built it. ``encode`` is tokenizing and encoding the chunks (the chunks a resumed build
-    reused cost nothing), ``join`` the chunks into the index's arrays, ``search_structures`` the back-end's files
-    (PLAID: k-means, codes, inverted file). Each stage ends with a host read of its results, so on a GPU the time is
-    the stage's own."""
-
-    def __init__(self) -> None:
-        self.stages: dict[str, float] = {}
-        self._last = time.perf_counter()
-
-    def stage(self, name: str) -> None:
-        now = time.perf_counter()
-        self.stages[name] = round(now - self._last, 3)
-        self._last = now
 
 
 # -- search structures ------------------------------------------------------------------------------------------
@@ -154,7 +137,7 @@ def rebuild_search_structures(index: TokenIndex, backend: str | IndexConfig, *, 
     leaves files that disagree with ``index.json``, which the next open reports (and :func:`open_or_build_index`
     rebuilds)."""
     with file_lock(lock_path(index.directory), what="rebuilding its search structures"):
-        seconds = _StageClock()
+        seconds = StageClock()
         settings = write_search_files(index.directory, index.embeddings, index_config(backend), use_gpu, progress,
                                       gpu_device, device)
         seconds.stage("search_structures")
@@ -299,7 +282,10 @@ def build_index(encoder: Encoder, doc_ids: Sequence[str], texts: Sequence[str], 
                              calibration_texts=_calibration_texts(texts, calibration_docs), precision=precision,
                              progress=progress, description=f"encoding {directory}",
                              tokenizer_workers=tokenizer_workers)
-        seconds = _StageClock()
+        # index.json's build_seconds: "encode" is tokenizing and encoding the chunks (chunks a resumed build reused
+        # cost nothing), "join" the chunks into the arrays, "search_structures" the back-end's files (PLAID: k-means,
+        # codes, inverted file). Each stage ends with a host read of its results: on a GPU the time is its own.
+        seconds = StageClock()
         identity = encode_corpus(job, processes)
         seconds.stage("encode")
         metas = collect_chunks(build / CHUNKS_DIR, len(texts), chunk_docs, heads, identity)
