@@ -1,8 +1,9 @@
 """Real crashes and real concurrency while building an index (issue 16): separate Python processes, SIGKILL.
 
-A build process is killed (SIGKILL, by the test hook ``HIL_TEST_KILL_AT``) at three points: inside a chunk (its
-arrays written, its metadata not), after the chunks were joined, and after ``index.json`` was written but before
-the folder was renamed into place. Each rerun must give, byte for byte, the index of an uninterrupted build, and
+A build process is killed (SIGKILL, by the test hook ``HIL_TEST_KILL_AT``) at four points: inside a chunk (its
+arrays written, its metadata not), inside the join (two chunks copied and removed, the rest not), after the chunks
+were joined, and after ``index.json`` was written but before the folder was renamed into place (the rerun then
+redoes only the search structures: the build's state says the chunks are joined). Each rerun must give, byte for byte, the index of an uninterrupted build, and
 the same search results. Two processes asked for one index at the same moment must build it once: one waits (and
 says for whom), then opens what the other built; no half-written folder is left.
 
@@ -133,7 +134,9 @@ KILLS = [pytest.param("chunk-1-arrays", ["chunks/chunk-00000.json", "chunks/chun
                       id="mid-chunk"),
          pytest.param("joined", ["chunks/chunk-00003.json", "colbert.embeddings.npy", "doc_offsets.npy"], [],
                       id="after-join", marks=pytest.mark.slow),
-         pytest.param("sealed", [INDEX_JSON, "colbert.embeddings.npy"], [0, 1, 2, 3], id="before-rename",
+         pytest.param("join-1", ["chunks/chunk-00001.json", "chunks/chunk-00002.colbert.npy", "colbert.embeddings.npy",
+                                 ".join-state.json"], [], id="mid-join"),
+         pytest.param("sealed", [INDEX_JSON, "colbert.embeddings.npy"], [], id="before-rename",
                       marks=pytest.mark.slow)]
 
 
@@ -148,6 +151,9 @@ def test_a_sigkilled_build_reruns_to_the_uninterrupted_index(step, left, rerun_e
         assert (unfinished / name).is_file(), f"{name} should be left in {unfinished}"
     if step == "chunk-1-arrays":
         assert not (unfinished / "chunks" / "chunk-00001.json").exists(), "chunk 1 was killed mid-way"
+    if step == "join-1":  # chunks 0 and 1 copied into the joined file and state, chunk 1's files not yet removed
+        assert not (unfinished / "chunks" / "chunk-00000.colbert.npy").exists(), "a joined chunk is removed"
+        assert json.loads((unfinished / ".join-state.json").read_text())["joined"] == 2
 
     encoded, original = [], chunks._write_chunk
 

@@ -245,7 +245,7 @@ def test_index_json_records_the_seconds_of_each_build_stage(tmp_path, monkeypatc
     """Each stage slowed by a known amount shows in its own entry, and the entries add up to at most the build."""
     import time
 
-    from hil.retrieval import builder
+    from hil.retrieval import builder, structures
     from hil.retrieval.builder import build_index, rebuild_search_structures
     from toys import make_encoder, toy_corpus
 
@@ -258,6 +258,7 @@ def test_index_json_records_the_seconds_of_each_build_stage(tmp_path, monkeypatc
     monkeypatch.setattr(builder, "encode_corpus", slowed(builder.encode_corpus, 0.4))
     monkeypatch.setattr(builder, "join_chunks", slowed(builder.join_chunks, 0.2))
     monkeypatch.setattr(builder, "write_search_files", slowed(builder.write_search_files, 0.3))
+    monkeypatch.setattr(structures, "write_search_files", slowed(structures.write_search_files, 0.3))
     ids, texts = toy_corpus(30)
     tick = time.perf_counter()
     index = build_index(make_encoder(hf_tokenizer), ids, texts, tmp_path / "idx", backend="plaid", progress=False)

@@ -30,6 +30,7 @@ import re
 import shutil
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -38,20 +39,30 @@ import torch
 
 from hil.modeling.contracts import Encoder
 from hil.provenance import StageClock, file_lock, lock_path, provenance, replace_directory, write_json_atomic
-from hil.retrieval.backends.configs import IndexConfig, configs_from_params, index_config
-from hil.retrieval.backends.registry import BACKENDS, backend_class
-from hil.retrieval.chunks import collect_chunks, encoding_batch_sizes, join_chunks, kill_if_asked
+from hil.retrieval.backends.configs import IndexConfig
+from hil.retrieval.backends.registry import backend_class
+from hil.retrieval import compressed_build
+from hil.retrieval.build_state import CHUNKS_DIR, BuildState
+from hil.retrieval.chunk_codec import ChunkCodec
+from hil.retrieval.chunks import (JOIN_STATE, collect_chunks, encoding_batch_sizes, join_chunks, kill_if_asked,
+                                  store_source_chunks)
+from hil.retrieval.compressed_build import CompressedBuild, compressed_as_encoded
+from hil.retrieval.disk_plan import check_disk, disk_need
+from hil.retrieval.encoding import EncodedTokens, eval_mode
+from hil.retrieval.progress import progress_bar
+from hil.retrieval.vector_source import DocumentVectors, EncodedDocuments, VectorSource
 from hil.retrieval.codec import CompressedEmbeddings
 from hil.retrieval.corpus_encoding import (CorpusEncoding, check_processes, check_tokenizer_workers,
                                           encode_corpus)
-from hil.retrieval.devices import check_precision
-from hil.retrieval.fast_encode import DOCUMENT_ENCODINGS, document_encoding_key
+from hil.retrieval.devices import autocast, check_precision
+from hil.retrieval.fast_encode import DOCUMENT_ENCODINGS, document_encoder, document_encoding_key
 from hil.retrieval.index import (DOC_IDS_JSON, INDEX_FORMAT, INDEX_FORMAT_VERSION, INDEX_JSON, IndexMismatchError,
                                  TokenIndex, embeddings_path, encoder_fingerprint, fingerprint_corpus,
                                  json_normalized, plaid_paths, seal_index, unfinished_build_dir)
 from hil.errors import UserError
 from hil.retrieval.integrity import IndexIntegrityError, check_verify
-from hil.retrieval.store import TokenTable
+from hil.retrieval.structures import (backend_from, rebuild_faiss, rebuild_search_structures,  # noqa: F401
+                                      write_search_files)
 
 logger = logging.getLogger(__name__)
 
@@ -59,100 +70,8 @@ CALIBRATION_DOCS = 32  # documents whose activations calibrate int8 document enc
 # Documents per encoder batch when none is given: 32 on a CPU (what every index was built with before), more on a
 # GPU, whose time per batch is mostly fixed cost below a few thousand tokens (launches, the sync-free pipeline).
 DEFAULT_BATCH_SIZE = {"cpu": 32, "cuda": 128}
-CHUNKS_DIR = "chunks"
 AUTOCAST_ENCODINGS = (None, "compile")  # document encodings that run PyTorch's own kernels, where autocast applies
 _HEAD_NAME = re.compile(r"^[A-Za-z0-9_\-]+$")
-
-
-# -- search structures ------------------------------------------------------------------------------------------
-
-def backend_from(backend: str | IndexConfig = "flat", faiss_kind: str | None = None,
-                 faiss_params: dict[str, Any] | None = None) -> IndexConfig:
-    """The build-time settings asked for: ``backend`` (a config, or a kind with its defaults), or, in the spelling
-    before 0.2, ``faiss_kind`` and ``faiss_params`` (with a deprecation notice). Search-time keys in
-    ``faiss_params`` (``nprobe``, ``ndocs``, ...) are refused: an index no longer holds them, so a search would not
-    use them; give them to the search."""
-    if faiss_kind is None and faiss_params is None:
-        return index_config(backend)
-    warnings.warn("faiss_kind / faiss_params are deprecated: pass backend=<kind or IndexConfig> "
-                  "(hil.retrieval.backends.configs)", DeprecationWarning, stacklevel=3)
-    kind = faiss_kind or (backend.kind if isinstance(backend, IndexConfig) else backend)
-    build, search = configs_from_params(kind, faiss_params)
-    misplaced = sorted(set(faiss_params or {}) - type(build).field_names())
-    if misplaced:
-        raise UserError(f"{misplaced} are search-time settings, not part of an index: give them to the search "
-                        f"({type(search).__name__}), not to the index build")
-    return build
-
-
-def _remove_stale_files(directory: Path, head: str, kept: set[Path]) -> None:
-    """Remove the files every other kind may have left for ``head`` (an earlier build of another kind)."""
-    for backend in BACKENDS.values():
-        for path in backend.head_files(directory, head):
-            if path not in kept:
-                path.unlink(missing_ok=True)
-
-
-def write_search_files(directory: Path, embeddings: dict[str, TokenTable], config: IndexConfig, use_gpu: bool,
-                       progress: bool, gpu_device: int = 0, device: torch.device | str = "cpu") -> dict[str, Any]:
-    """Write the files of ``config``'s back-end for every head; -> the ``"backend"`` part of ``index.json``.
-
-    ``device``: where the build's torch work may run (the encoder's device: PLAID's k-means there on a GPU); the
-    choices that depend on it are recorded as made (:meth:`SearchBackend.resolve_machine_params`). Files of another
-    kind left from an earlier build are removed, except, for a head stored compressed only, the centroid files:
-    they hold its vectors.
-    """
-    kind = config.kind
-    backend = backend_class(kind)
-    device = torch.device(device)
-    resolved: dict[str, Any] = {}
-    codecs: dict[str, Any] = {}
-    for head, vectors in embeddings.items():
-        resolved = backend.resolve_machine_params(backend.resolve_params(config, vectors.shape[0], vectors.shape[1]),
-                                                  device=device, use_gpu=use_gpu, gpu_device=gpu_device)
-        started = time.perf_counter()
-        codec = backend.build_head(directory, head, vectors, resolved, use_gpu=use_gpu, gpu_device=gpu_device,
-                                   device=device)
-        kept = set(backend.head_files(directory, head))
-        if isinstance(vectors, CompressedEmbeddings):
-            codec = vectors.codec
-            kept |= set(plaid_paths(directory, head).values())
-        if codec is not None:
-            codecs[head] = codec.settings()
-        _remove_stale_files(directory, head, kept)
-        if progress and backend.stores_files:
-            logger.info("%s structures of head %s: %.1f s", kind, head, time.perf_counter() - started)
-    settings = {"kind": kind, "params": resolved, "factory": backend.factory(resolved),
-                "metric": "inner_product", "stored": backend.stores_files}
-    if codecs:
-        settings["codecs"] = codecs
-    return settings
-
-
-def rebuild_search_structures(index: TokenIndex, backend: str | IndexConfig, *, use_gpu: bool = False,
-                              progress: bool = True, gpu_device: int = 0,
-                              device: torch.device | str = "cpu") -> TokenIndex:
-    """Replace the search structures of a finished index (the vectors stay), updating ``index.json`` and its file
-    records; ``device`` as :func:`write_search_files`'s. In place, under the index's lock: a process killed meanwhile
-    leaves files that disagree with ``index.json``, which the next open reports (and :func:`open_or_build_index`
-    rebuilds)."""
-    with file_lock(lock_path(index.directory), what="rebuilding its search structures"):
-        seconds = StageClock()
-        settings = write_search_files(index.directory, index.embeddings, index_config(backend), use_gpu, progress,
-                                      gpu_device, device)
-        seconds.stage("search_structures")
-        meta = {key: value for key, value in index.meta.items() if key != "faiss"}
-        # The encoding's and join's seconds belong to the earlier build: only what this one did is recorded.
-        seal_index(index.directory, dict(meta, backend=settings, build_seconds=seconds.stages))
-        # The checksums were just computed from these very files: the sizes say they are the ones recorded.
-        return TokenIndex.load(index.directory, mmap=index.memory_mapped, verify="sizes")
-
-
-def rebuild_faiss(index: TokenIndex, faiss_kind: str, faiss_params: dict[str, Any] | None = None,
-                  **kwargs: Any) -> TokenIndex:
-    """:func:`rebuild_search_structures` in the spelling before 0.2 (deprecated)."""
-    return rebuild_search_structures(index, backend_from(faiss_kind=faiss_kind, faiss_params=faiss_params or {}),
-                                     **kwargs)
 
 
 # -- building ---------------------------------------------------------------------------------------------------
@@ -207,23 +126,79 @@ def _calibration_texts(texts: Sequence[str], calibration_docs: int) -> list[str]
     return list(texts[:max(1, calibration_docs)])
 
 
-def _start_build_dir(directory: Path) -> Path:
-    """``<dir>.tmp-build`` with its ``chunks`` folder; files of an earlier, different attempt are removed, finished
-    chunks kept (they are reused when they match)."""
-    build = unfinished_build_dir(directory)
-    (build / CHUNKS_DIR).mkdir(parents=True, exist_ok=True)
-    for leftover in build.iterdir():
-        if leftover.name != CHUNKS_DIR:
-            shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
-    return build
+def _check_vectors(vectors: VectorSource, doc_ids: Sequence[str], processes: int, quantize: str | None) -> None:
+    """Refuse a precomputed-vector build that cannot be, before any work."""
+    if len(doc_ids) != vectors.n_docs:
+        raise ValueError(f"build_index: {len(doc_ids)} doc_ids but the vector source holds {vectors.n_docs}")
+    if not doc_ids:
+        raise ValueError("build_index: the corpus is empty")
+    if len(set(doc_ids)) != len(doc_ids):
+        raise ValueError("build_index: duplicate document ids")
+    if processes != 1 or quantize is not None:
+        raise ValueError("build_index: precomputed vectors are read, not encoded: processes=1 and quantize=None")
 
 
-def build_index(encoder: Encoder, doc_ids: Sequence[str], texts: Sequence[str], directory: str | os.PathLike, *,
+@dataclass
+class _Build:
+    """One build's inputs, as the two ways of building read them (fp16 first, or compressed as encoded)."""
+
+    encoder: Encoder
+    doc_ids: Sequence[str]
+    texts: Sequence[str] | None
+    vectors: VectorSource | None
+    folder: Path
+    config: IndexConfig
+    identity: dict[str, Any]     # what every chunk records: settings, fingerprints, precision
+    chunk_docs: int
+    batch_size: int
+    quantize: str | None
+    calibration_docs: int
+    precision: str
+    processes: int
+    tokenizer_workers: int
+    progress: bool
+    device: torch.device
+    use_gpu: bool
+    gpu_device: int
+    description: str
+
+    @property
+    def heads(self) -> tuple[str, ...]:
+        return tuple(self.encoder.head_names)
+
+    def state_identity(self, way: str, **more: Any) -> dict[str, Any]:
+        """What the unfinished folder's state must match to be resumed (:mod:`hil.retrieval.build_state`)."""
+        n_calibration = 0 if self.texts is None else len(_calibration_texts(self.texts, self.calibration_docs))
+        return {"way": way, **self.identity, "n_docs": len(self.doc_ids), "chunk_docs": self.chunk_docs,
+                "heads": list(self.heads), "document_encoding": document_encoding_key(self.quantize, n_calibration),
+                "vectors": self.vectors.record() if self.vectors is not None else None, **more}
+
+    def encode(self, identity: dict[str, Any], compression: ChunkCodec | None = None) -> dict[str, Any]:
+        """Every unfinished chunk encoded (or read from the vector source) and stored; -> the chunks' identity."""
+        chunks = self.folder / CHUNKS_DIR
+        if self.vectors is not None:
+            bar = progress_bar(len(self.doc_ids), f"storing {self.description}", "doc", enabled=self.progress)
+            store_source_chunks(self.vectors, chunks, dict(identity, document_encoding=None),
+                                n_docs=len(self.doc_ids), chunk_docs=self.chunk_docs, heads=self.heads,
+                                progress_bar=bar, compression=compression)
+            bar.close()
+            return dict(identity, document_encoding=None)
+        job = CorpusEncoding(self.encoder, self.texts, chunks, identity=identity, chunk_docs=self.chunk_docs,
+                             batch_size=self.batch_size, quantize=self.quantize,
+                             calibration_texts=_calibration_texts(self.texts, self.calibration_docs),
+                             precision=self.precision, progress=self.progress,
+                             description=f"encoding {self.description}", tokenizer_workers=self.tokenizer_workers,
+                             compression=compression)
+        return encode_corpus(job, self.processes)
+
+
+def build_index(encoder: Encoder, doc_ids: Sequence[str], texts: Sequence[str] | None,
+                directory: str | os.PathLike, *,
                 batch_size: int | None = None, chunk_docs: int = 2048, backend: str | IndexConfig = "flat",
                 corpus_fingerprint: str | None = None, progress: bool = True, overwrite: bool = False,
                 use_gpu: bool = False, gpu_device: int = 0, quantize: str | None = None,
                 calibration_docs: int = CALIBRATION_DOCS, processes: int = 1, precision: str = "fp32",
-                tokenizer_workers: int = 0, faiss_kind: str | None = None,
+                tokenizer_workers: int = 0, vectors: VectorSource | None = None, faiss_kind: str | None = None,
                 faiss_params: dict[str, Any] | None = None) -> TokenIndex:
     """Encode a corpus into a token index at ``directory`` (resumable, finalized atomically; see module docstring).
 
@@ -237,6 +212,12 @@ def build_index(encoder: Encoder, doc_ids: Sequence[str], texts: Sequence[str], 
     recorded in ``index.json`` as ``encoding_batch_size``, from the chunks: :func:`~hil.retrieval.chunks.
     encoding_batch_sizes`).
 
+    How: a PLAID index stored compressed only (``residual_bits`` with ``keep_embeddings=False``) is compressed as it
+    is encoded (:mod:`hil.retrieval.compressed_build`: sample, centroids, then codes and residuals chunk by chunk;
+    no fp16 vector is written); every other index is encoded into fp16 chunks, joined, then given its search
+    structures. Both resume after a crash at any stage (:mod:`hil.retrieval.build_state`). Before any encoding, an
+    index that would not fit on its disk is refused (:func:`hil.retrieval.disk_plan.check_disk`).
+
     Where: the corpus is encoded on ``encoder.device`` (move the encoder there first). ``processes`` > 1 encodes
     on that many processes through Lightning Fabric (``ddp_spawn``): one per GPU (``cuda:0`` ..) for a CUDA
     encoder, or that many CPU processes sharing the cores; the index is the same as a one-process build's
@@ -246,10 +227,15 @@ def build_index(encoder: Encoder, doc_ids: Sequence[str], texts: Sequence[str], 
     many DataLoader processes (per encoding process) ahead of the encoder, which then only runs the model (for a
     GPU: :mod:`hil.retrieval.token_loader`); the index is the same for any number.
 
+    ``vectors``: precomputed document vectors (a :class:`~hil.retrieval.vector_source.VectorSource`, e.g. a tiling
+    of an index for a scale benchmark) stored instead of encoding ``texts`` (which may then be None); the index
+    records the source and carries ``encoder``'s settings and fingerprint, so that ``encoder``'s queries search it.
+
     Memory: at most one chunk of ``chunk_docs`` documents is held while encoding (its fp32 token vectors, about
     ``chunk_docs * 4 * D * tokens_per_doc`` bytes, plus the model's activations for one ``batch_size`` batch);
     the chunks are then streamed into the final memmaps, so ``chunk_docs`` is the memory knob for corpora larger
-    than RAM (``bench/README.md`` has measured peak RSS against it). With ``processes`` > 1, per process.
+    than RAM (``bench/README.md`` has measured peak RSS against it). With ``processes`` > 1, per process. Disk:
+    the finished index plus one chunk (each chunk is removed once joined), and for a compressed build its sample.
 
     ``quantize`` picks a cheaper document encoder (queries always keep ``encoder``); recorded in ``index.json`` as
     ``document_encoding``; None (default) encodes with ``encoder`` itself. Measured in bench/README:
@@ -260,7 +246,10 @@ def build_index(encoder: Encoder, doc_ids: Sequence[str], texts: Sequence[str], 
     each process builds the same view from its copy of ``encoder``. Only ``None`` and ``"compile"`` take a
     ``precision`` other than fp32.
     """
-    _check_corpus(doc_ids, texts)
+    if vectors is None:
+        _check_corpus(doc_ids, texts)
+    else:
+        _check_vectors(vectors, doc_ids, processes, quantize)
     directory = Path(directory)
     heads = tuple(encoder.head_names)
     config = backend_from(backend, faiss_kind, faiss_params)
@@ -269,53 +258,106 @@ def build_index(encoder: Encoder, doc_ids: Sequence[str], texts: Sequence[str], 
     _check_request(heads, batch_size, chunk_docs, config)
     _check_encoding(device, processes, precision, quantize)
     check_tokenizer_workers(tokenizer_workers)
-    corpus_fp = corpus_fingerprint or fingerprint_corpus(doc_ids, texts)
+    corpus_fp = corpus_fingerprint or (vectors.fingerprint() if vectors is not None
+                                       else fingerprint_corpus(doc_ids, texts))
     encoder_fp = encoder_fingerprint(encoder)
     settings = json_normalized(encoder.settings())
+    job = _Build(encoder, doc_ids, texts, vectors, unfinished_build_dir(directory), config,
+                 {"settings": settings, "encoder_fingerprint": encoder_fp, "corpus_fingerprint": corpus_fp,
+                  "encoding_precision": precision}, chunk_docs, batch_size, quantize, calibration_docs, precision,
+                 processes, tokenizer_workers, progress, device, use_gpu, gpu_device, str(directory))
     with file_lock(lock_path(directory), what=f"building {directory.name}"):
         _check_target(directory, overwrite)
-        build = _start_build_dir(directory)
-        job = CorpusEncoding(encoder, texts, build / CHUNKS_DIR,
-                             identity={"settings": settings, "encoder_fingerprint": encoder_fp,
-                                       "corpus_fingerprint": corpus_fp, "encoding_precision": precision},
-                             chunk_docs=chunk_docs, batch_size=batch_size, quantize=quantize,
-                             calibration_texts=_calibration_texts(texts, calibration_docs), precision=precision,
-                             progress=progress, description=f"encoding {directory}",
-                             tokenizer_workers=tokenizer_workers)
-        # index.json's build_seconds: "encode" is tokenizing and encoding the chunks (chunks a resumed build reused
-        # cost nothing), "join" the chunks into the arrays, "search_structures" the back-end's files (PLAID: k-means,
-        # codes, inverted file). Each stage ends with a host read of its results: on a GPU the time is its own.
+        check_disk(directory, disk_need(encoder, config, doc_ids, texts, vectors))
+        # index.json's build_seconds: each stage's wall time (a stage a resumed build skipped costs ~0); each stage
+        # ends with a host read of its results, so on a GPU the time is its own.
         seconds = StageClock()
-        identity = encode_corpus(job, processes)
-        seconds.stage("encode")
-        metas = collect_chunks(build / CHUNKS_DIR, len(texts), chunk_docs, heads, identity)
-        n_tokens = join_chunks(build / CHUNKS_DIR, build, heads, metas)
-        write_json_atomic(build / DOC_IDS_JSON, list(doc_ids))
-        seconds.stage("join")
-        kill_if_asked("joined")
-
-        embeddings = {head: np.load(embeddings_path(build, head), mmap_mode="r") for head in heads}
-        backend_settings = write_search_files(build, embeddings, config, use_gpu, progress, gpu_device, device)
-        seconds.stage("search_structures")
-        del embeddings
-        shutil.rmtree(build / CHUNKS_DIR)
-        dims = metas[0]["dims"]
-        document_encoding = identity["document_encoding"]
+        if compressed_as_encoded(config):
+            n_tokens, backend_settings, extra, state = _build_compressed(job, seconds)
+        else:
+            n_tokens, backend_settings, extra, state = _build_fp16_first(job, seconds)
+        shutil.rmtree(job.folder / CHUNKS_DIR, ignore_errors=True)
+        dims, identity = extra.pop("dims"), extra.pop("identity")
+        document_encoding = identity.get("document_encoding")
         meta = provenance(settings, format=INDEX_FORMAT, format_version=INDEX_FORMAT_VERSION, n_docs=len(doc_ids),
                           n_tokens=n_tokens, heads=list(heads), dims=dims,
                           dim=next(iter(dims.values())) if len(set(dims.values())) == 1 else None,
                           embedding_dtype="float16", backend=backend_settings, corpus_fingerprint=corpus_fp,
                           encoder_fingerprint=encoder_fp, encoding_precision=precision,
-                          encoding_batch_size=encoding_batch_sizes(metas),
+                          encoding_batch_size=extra.pop("batch_sizes"),
                           encoded_on={"device": str(device) if processes == 1 else device.type,
                                       "processes": processes},
                           build_seconds=seconds.stages,
-                          **({"document_encoding": document_encoding} if document_encoding else {}))
-        seal_index(build, meta)  # last: its presence marks the folder a finished index
+                          **({"document_encoding": document_encoding} if document_encoding else {}),
+                          **({"vector_source": vectors.record()} if vectors is not None else {}), **extra)
+        seal_index(job.folder, meta)  # last: its presence marks the folder a finished index
         kill_if_asked("sealed")
-        replace_directory(build, directory)
+        state.remove()
+        replace_directory(job.folder, directory)
         # The checksums were just computed from these very files: the sizes say they are the ones recorded.
         return TokenIndex.load(directory, verify="sizes")
+
+
+def _build_fp16_first(job: _Build, seconds: StageClock) -> tuple[int, dict[str, Any], dict[str, Any], BuildState]:
+    """Encode into fp16 chunks, join them, write the back-end's structures from the joined vectors; -> (n_tokens,
+    the back-end's record, what index.json adds, the state)."""
+    state = BuildState(job.folder, job.state_identity("fp16"))
+    state.start()
+    joined = state.done("joined")
+    if joined is None:
+        encoded = state.done("encoded") or state.mark("encoded", identity=job.encode(job.identity))
+        seconds.stage("encode")
+        chunks = job.folder / CHUNKS_DIR
+        metas = collect_chunks(chunks, len(job.doc_ids), job.chunk_docs, job.heads, encoded["identity"],
+                               arrays=not (job.folder / JOIN_STATE).exists())
+        n_tokens = join_chunks(chunks, job.folder, job.heads, metas, remove_joined=True)
+        write_json_atomic(job.folder / DOC_IDS_JSON, list(job.doc_ids))
+        joined = state.mark("joined", n_tokens=n_tokens, dims=metas[0]["dims"], identity=encoded["identity"],
+                            batch_sizes=encoding_batch_sizes(metas))
+        seconds.stage("join")
+    kill_if_asked("joined")
+    embeddings = {head: np.load(embeddings_path(job.folder, head), mmap_mode="r") for head in job.heads}
+    backend_settings = write_search_files(job.folder, embeddings, job.config, job.use_gpu, job.progress,
+                                          job.gpu_device, job.device)
+    seconds.stage("search_structures")
+    del embeddings
+    extra = {key: joined[key] for key in ("dims", "identity", "batch_sizes")}
+    return joined["n_tokens"], backend_settings, extra, state
+
+
+def _build_compressed(job: _Build, seconds: StageClock) -> tuple[int, dict[str, Any], dict[str, Any], BuildState]:
+    """:mod:`hil.retrieval.compressed_build`'s stages for this build; -> as :func:`_build_fp16_first`."""
+    state = BuildState(job.folder, job.state_identity("compressed", backend=job.config.record()))
+    state.start()
+    dims = {head: int(job.encoder.dim) for head in job.heads}
+    if job.vectors is not None:
+        sample_vectors: DocumentVectors = job.vectors
+    else:
+        view = document_encoder(job.encoder, job.quantize,
+                                calibration_texts=_calibration_texts(job.texts, job.calibration_docs))
+        sample_vectors = _ViewDocuments(EncodedDocuments(view, job.texts, job.batch_size), job.device, job.precision)
+
+    def encode_chunks(codec: ChunkCodec) -> dict[str, Any]:
+        return job.encode(dict(job.identity, compression=codec.fingerprint()), codec)
+
+    compressed = CompressedBuild(job.folder, state, job.heads, dims, job.doc_ids, job.config, sample_vectors,
+                                 encode_chunks, job.chunk_docs, job.device, job.use_gpu, job.gpu_device, job.progress)
+    n_tokens, backend_settings, plan = compressed_build.run(compressed, seconds)
+    identity = plan.pop("encoded_identity")
+    extra = {"dims": dims, "identity": identity, "batch_sizes": state.done("joined")["batch_sizes"],
+             "build_plan": plan, "sizing_tokens": plan["sizing_tokens"]}
+    return n_tokens, backend_settings, extra, state
+
+
+class _ViewDocuments:
+    """The sample's documents through the document view, in evaluation mode and the build's autocast."""
+
+    def __init__(self, documents: EncodedDocuments, device: torch.device, precision: str):
+        self.documents, self.device, self.precision = documents, device, precision
+
+    def vectors(self, rows: np.ndarray) -> EncodedTokens:
+        with eval_mode(self.documents.encoder), autocast(self.device, self.precision):
+            return self.documents.vectors(rows)
 
 
 # -- reuse ------------------------------------------------------------------------------------------------------
@@ -332,7 +374,9 @@ def same_search_structures(index: TokenIndex, config: IndexConfig) -> bool:
     (PLAID's ``kmeans``) is a choice left to the building machine: any recorded choice satisfies it, so an index
     moved to a machine where ``auto`` would choose otherwise is reused, not rebuilt."""
     backend = backend_class(config.kind)
-    wanted = [backend.resolve_params(config, index.n_tokens, dim) for dim in index.dims.values()]
+    # A compressed build resolved its settings for the corpus size it estimated from its sample (sizing_tokens).
+    n_tokens = int(index.meta.get("sizing_tokens", index.n_tokens))
+    wanted = [backend.resolve_params(config, n_tokens, dim) for dim in index.dims.values()]
     stored = index.backend_settings
     return stored["kind"] == config.kind and all(_same_build_params(params, stored["params"]) for params in wanted)
 

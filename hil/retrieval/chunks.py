@@ -17,6 +17,16 @@ any number of processes reuses what an earlier one finished; the join reads the 
 Each chunk to encode is tokenized once, sorted by length and cut into batches, by ``workers`` loader processes
 running ahead of the encoder (or in this process with ``workers=0``): :mod:`hil.retrieval.token_loader`. The
 batches, and so every file, do not depend on ``workers``. Only the texts of this rank's unfinished chunks are read.
+
+A chunk may be stored compressed as it is encoded (``compression``: :class:`~hil.retrieval.chunk_codec.ChunkCodec`,
+the build of :mod:`hil.retrieval.compressed_build`): each head's fp16 vectors become ``chunk-<n>.<head>.codes.npy``
+(nearest centroid) and ``chunk-<n>.<head>.residuals.npy`` (packed residual buckets), computed from the fp16 rows the
+uncompressed chunk would hold, and the fp16 rows are not written.
+
+The join (:func:`join_tables`) copies the chunks into the index's arrays in chunk order and, when asked, removes each
+chunk's arrays once they are copied: the disk then holds the index plus one chunk, not twice the index. It resumes
+after a crash: ``join.json`` in the target says which chunks are in (written after their rows, before their files
+are removed), so a rerun copies the rest into the same, already sized files.
 """
 
 from __future__ import annotations
@@ -25,19 +35,25 @@ import json
 import os
 import re
 import signal
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 import torch
 
 from hil.provenance import DIGEST, file_digest, write_json_atomic
-from hil.retrieval.encoding import DocumentEncoder, encode_sorted_batches
+from hil.retrieval.encoding import DocumentEncoder, EncodedTokens, encode_sorted_batches
 from hil.retrieval.index import (DOC_OFFSETS_NPY, INDEX_FORMAT_VERSION, TOKEN_IDS_NPY, embeddings_path,
-                                 save_npy_atomic)
+                                 json_normalized, save_npy_atomic)
 from hil.retrieval.integrity import check_finite_vectors
+
+if TYPE_CHECKING:
+    from hil.retrieval.chunk_codec import ChunkCodec
+    from hil.retrieval.vector_source import DocumentVectors
 from hil.retrieval.token_loader import TokenizedChunk, tokenized_chunks
 
+JOIN_STATE = ".join-state.json"  # hidden: never recorded among an index's files
 _CHUNK_FILE = re.compile(r"^\.?chunk-(\d+)\.")  # a chunk's file, or (leading dot) a temporary one being written
 
 # Test-only: a build process whose environment names one of its steps here kills itself (SIGKILL) at that step, so
@@ -53,10 +69,15 @@ def kill_if_asked(step: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def chunk_paths(chunks: Path, number: int, heads: Sequence[str]) -> dict[str, Path]:
-    """The files of chunk ``number``: ``emb:<head>`` per head, ``token_ids``, ``lengths`` and ``meta``."""
+def chunk_paths(chunks: Path, number: int, heads: Sequence[str], compressed: bool = False) -> dict[str, Path]:
+    """The files of chunk ``number``: ``emb:<head>`` per head (``codes:<head>`` and ``residuals:<head>`` when
+    ``compressed``), ``token_ids``, ``lengths`` and ``meta``."""
     stem = f"chunk-{number:05d}"
-    paths = {f"emb:{head}": chunks / f"{stem}.{head}.npy" for head in heads}
+    if compressed:
+        paths = {f"{kind}:{head}": chunks / f"{stem}.{head}.{kind}.npy" for head in heads
+                 for kind in ("codes", "residuals")}
+    else:
+        paths = {f"emb:{head}": chunks / f"{stem}.{head}.npy" for head in heads}
     paths.update(token_ids=chunks / f"{stem}.token_ids.npy", lengths=chunks / f"{stem}.lengths.npy",
                  meta=chunks / f"{stem}.json")
     return paths
@@ -98,20 +119,29 @@ def finished_chunk(paths: dict[str, Path], expected: dict[str, Any], *,
 
 
 def _write_chunk(encoder: DocumentEncoder, tokenized: TokenizedChunk, paths: dict[str, Path],
-                 expected: dict[str, Any], progress_bar: Any, rank: int = 0, batch_size: int = 0) -> dict[str, Any]:
+                 expected: dict[str, Any], progress_bar: Any, rank: int = 0, batch_size: int = 0,
+                 compression: ChunkCodec | None = None) -> dict[str, Any]:
     """Encode one chunk's tokenized batches and write its files, the metadata last; -> the metadata (``expected``,
     the counts, and the ``rank`` and ``batch_size`` that encoded it: records only, never compared)."""
-    heads = tuple(encoder.head_names)
     encoded = encode_sorted_batches(encoder, tokenized.sorted_batches(), progress_bar=progress_bar)
+    return store_chunk(encoded, paths, expected, rank=rank, batch_size=batch_size, compression=compression)
+
+
+def store_chunk(encoded: EncodedTokens, paths: dict[str, Path], expected: dict[str, Any], *, rank: int = 0,
+                batch_size: int = 0, compression: ChunkCodec | None = None) -> dict[str, Any]:
+    """Write one encoded chunk's files (fp16 vectors, or with ``compression`` their codes and residuals), the
+    metadata last; -> the metadata. Vectors holding a NaN or inf are refused before anything is written."""
+    heads = tuple(encoded.embeddings)
     for head in heads:  # all checked before anything is written
         check_finite_vectors(encoded.embeddings[head], f"the document vectors (head {head}) of documents "
                              f"{expected['doc_start']}..{expected['doc_end'] - 1}",
                              "the model produces NaN (damaged weights, or an unstable precision); nothing of them "
                              "was stored")
-    for head in heads:
-        save_npy_atomic(paths[f"emb:{head}"], encoded.embeddings[head])
-    save_npy_atomic(paths["token_ids"], encoded.token_ids)
-    save_npy_atomic(paths["lengths"], encoded.lengths)
+    arrays = compression.chunk_arrays(encoded.embeddings) if compression is not None else \
+        {f"emb:{head}": encoded.embeddings[head] for head in heads}
+    arrays.update(token_ids=encoded.token_ids, lengths=encoded.lengths)
+    for key, array in arrays.items():
+        save_npy_atomic(paths[key], array)
     kill_if_asked(f"chunk-{expected['chunk']}-arrays")
     files = {path.name: {"bytes": path.stat().st_size, DIGEST: file_digest(path)}
              for key, path in paths.items() if key != "meta"}
@@ -142,19 +172,21 @@ def shard_docs(n_docs: int, chunk_docs: int, rank: int, world: int) -> int:
 
 def encode_in_chunks(encoder: DocumentEncoder, texts: Sequence[str], chunks: Path, identity: dict[str, Any], *,
                      chunk_docs: int, batch_size: int, progress_bar: Any, rank: int = 0, world: int = 1,
-                     workers: int = 0, on_written: Callable[[int], None] | None = None) -> list[dict[str, Any]]:
+                     workers: int = 0, on_written: Callable[[int], None] | None = None,
+                     compression: ChunkCodec | None = None) -> list[dict[str, Any]]:
     """Encode the chunks of ``texts`` that belong to ``rank`` (all of them when ``world`` is 1) into ``chunks``,
     reusing finished chunks of the same ``identity`` (settings, fingerprints, document encoding, precision);
     -> those chunks' metadata, in order. The chunks left to encode are tokenized by ``workers`` loader processes
     ahead of the encoder (0: in this process). ``on_written(number)`` is called after each chunk newly written.
-    Call inside ``eval_mode``."""
+    ``compression``: store codes and residuals instead of fp16 vectors (module docstring). Call inside
+    ``eval_mode``."""
     heads = tuple(encoder.head_names)
     mine = [chunk for chunk in chunk_ranges(len(texts), chunk_docs) if chunk[0] % world == rank]
     metas: dict[int, dict[str, Any]] = {}
     missing = []
     for number, start, end in mine:
         # Reused only when its bytes are the ones recorded: a chunk survives crashes, and is read once more here.
-        meta = finished_chunk(chunk_paths(chunks, number, heads),
+        meta = finished_chunk(chunk_paths(chunks, number, heads, compression is not None),
                               expected_chunk_meta(number, start, end, heads, identity), checksums=True)
         if meta is None:
             missing.append((number, start, end))
@@ -166,21 +198,42 @@ def encode_in_chunks(encoder: DocumentEncoder, texts: Sequence[str], chunks: Pat
                                       pin_memory=pinned):
         number = tokenized.number
         expected = expected_chunk_meta(number, tokenized.start, tokenized.end, heads, identity)
-        metas[number] = _write_chunk(encoder, tokenized, chunk_paths(chunks, number, heads), expected,
-                                     progress_bar, rank, batch_size)
+        metas[number] = _write_chunk(encoder, tokenized, chunk_paths(chunks, number, heads, compression is not None),
+                                     expected, progress_bar, rank, batch_size, compression=compression)
         if on_written is not None:
             on_written(number)
     return [metas[number] for number, _, _ in mine]
 
 
-def collect_chunks(chunks: Path, n_docs: int, chunk_docs: int, heads: Sequence[str],
-                   identity: dict[str, Any]) -> list[dict[str, Any]]:
+def store_source_chunks(source: DocumentVectors, chunks: Path, identity: dict[str, Any], *, n_docs: int,
+                        chunk_docs: int, heads: Sequence[str], progress_bar: Any,
+                        compression: ChunkCodec | None = None) -> list[dict[str, Any]]:
+    """:func:`encode_in_chunks` for vectors that need no encoder (a :class:`~hil.retrieval.vector_source.
+    VectorSource`): every chunk not finished with this ``identity`` read from ``source`` and stored; -> the
+    chunks' metadata, in order."""
+    metas = []
+    for number, start, end in chunk_ranges(n_docs, chunk_docs):
+        paths = chunk_paths(chunks, number, heads, compression is not None)
+        expected = expected_chunk_meta(number, start, end, heads, identity)
+        meta = finished_chunk(paths, expected, checksums=True)
+        if meta is None:
+            meta = store_chunk(source.vectors(np.arange(start, end, dtype=np.int64)), paths, expected,
+                               compression=compression)
+        metas.append(meta)
+        progress_bar.update(end - start)
+    return metas
+
+
+def collect_chunks(chunks: Path, n_docs: int, chunk_docs: int, heads: Sequence[str], identity: dict[str, Any], *,
+                   compressed: bool = False, arrays: bool = True) -> list[dict[str, Any]]:
     """The metadata of every chunk of the corpus, in order, each finished with this ``identity``; a missing or
-    different chunk (a process that stopped early, or encoded with other settings) is an error naming it."""
+    different chunk (a process that stopped early, or encoded with other settings) is an error naming it.
+    ``arrays=False``: the metadata alone (a join under way has removed the arrays of the chunks it copied)."""
     metas, missing = [], []
     for number, start, end in chunk_ranges(n_docs, chunk_docs):
-        meta = finished_chunk(chunk_paths(chunks, number, heads), expected_chunk_meta(number, start, end, heads,
-                                                                                      identity))
+        paths = chunk_paths(chunks, number, heads, compressed)
+        expected = expected_chunk_meta(number, start, end, heads, identity)
+        meta = finished_chunk(paths, expected) if arrays else _chunk_meta(paths["meta"], expected)
         if meta is None:
             missing.append(number)
         metas.append(meta)
@@ -188,6 +241,14 @@ def collect_chunks(chunks: Path, n_docs: int, chunk_docs: int, heads: Sequence[s
         raise RuntimeError(f"{chunks}: chunks {missing[:10]} of {len(metas)} are not finished with this build's "
                            "settings (did an encoding process stop early?)")
     return metas
+
+
+def _chunk_meta(path: Path, expected: dict[str, Any]) -> dict[str, Any] | None:
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+    return meta if all(meta.get(key) == value for key, value in expected.items()) else None
 
 
 def discard_unfinished_chunks(chunks: Path) -> list[str]:
@@ -213,31 +274,118 @@ def encoding_batch_sizes(metas: list[dict[str, Any]]) -> int | list[int] | None:
     return sizes[0] if len(sizes) == 1 else (sizes or None)
 
 
-def join_chunks(chunks: Path, target: Path, heads: Sequence[str], metas: list[dict[str, Any]]) -> int:
-    """Stream the chunks into ``target``'s ``<head>.embeddings.npy`` (fp16), ``token_ids.npy`` and
-    ``doc_offsets.npy``; -> the number of tokens. ``target`` is an unfinished folder (renamed when complete).
+@dataclass(frozen=True)
+class JoinedTable:
+    """One array of an index made by joining the chunks: the chunk files' ``key`` (``emb:<head>``,
+    ``codes:<head>``, ``residuals:<head>``, ``token_ids``), the joined file, its dtype and the shape of one row."""
+
+    key: str
+    path: Path
+    dtype: np.dtype
+    row_shape: tuple[int, ...] = ()
+
+    def record(self) -> list[Any]:
+        return [self.key, self.path.name, self.dtype.str, list(self.row_shape)]
+
+
+def fp16_tables(target: Path, heads: Sequence[str], dims: dict[str, int]) -> list[JoinedTable]:
+    """The joined arrays of an index storing fp16 vectors: ``<head>.embeddings.npy`` and ``token_ids.npy``."""
+    tables = [JoinedTable(f"emb:{head}", embeddings_path(target, head), np.dtype(np.float16), (int(dims[head]),))
+              for head in heads]
+    return tables + [JoinedTable("token_ids", target / TOKEN_IDS_NPY, np.dtype(np.int32))]
+
+
+def join_chunks(chunks: Path, target: Path, heads: Sequence[str], metas: list[dict[str, Any]], *,
+                remove_joined: bool = False) -> int:
+    """:func:`join_tables` of the fp16 vectors and token ids (:func:`fp16_tables`)."""
+    return join_tables(chunks, target, heads, metas, fp16_tables(target, heads, metas[0]["dims"]),
+                       remove_joined=remove_joined)
+
+
+def join_tables(chunks: Path, target: Path, heads: Sequence[str], metas: list[dict[str, Any]],
+                tables: Sequence[JoinedTable], *, compressed: bool = False, remove_joined: bool = False,
+                progress_bar: Any = None) -> int:
+    """Stream the chunks into ``target``'s ``tables`` and ``doc_offsets.npy``; -> the number of tokens. ``target``
+    is an unfinished folder (renamed when complete).
 
     The chunks' rows are copied as bytes, file to file, by the kernel where it can (:func:`_append_rows`): a
-    joined array is its chunks' arrays one after another, so nothing passes through this process."""
+    joined array is its chunks' arrays one after another, so nothing passes through this process. With
+    ``remove_joined`` each chunk's arrays are removed once copied (its lengths and metadata stay until the build
+    ends), and a join killed part way resumes from :data:`JOIN_STATE` (module docstring). ``progress_bar`` is
+    advanced by each chunk's documents."""
     n_tokens = sum(meta["n_tokens"] for meta in metas)
     n_docs = metas[-1]["doc_end"]
-    dims = metas[0]["dims"]
-    tables = {f"emb:{head}": (embeddings_path(target, head), np.float16, (n_tokens, dims[head])) for head in heads}
-    tables["token_ids"] = (target / TOKEN_IDS_NPY, np.int32, (n_tokens,))
-    for key, (path, dtype, shape) in tables.items():
-        created = np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape)
-        start = created.offset
-        del created  # header written, file sized; the rows follow
-        with open(path, "r+b") as handle:
-            for meta in metas:
-                start = _append_rows(chunk_paths(chunks, meta["chunk"], heads)[key], handle, start, dtype)
+    state_path = target / JOIN_STATE
+    plan = {"chunks": [[meta["chunk"], meta["n_tokens"]] for meta in metas],
+            "tables": [table.record() for table in tables]}
+    joined = _joined_so_far(state_path, plan, tables, n_tokens)
+    if joined is None:
+        for table in tables:  # header written, file sized; the rows follow
+            created = np.lib.format.open_memmap(table.path, mode="w+", dtype=table.dtype,
+                                                shape=(n_tokens, *table.row_shape))
+            del created
+        joined = 0
+        write_json_atomic(state_path, {"plan": plan, "joined": 0})
+    starts = np.concatenate([[0], np.cumsum([meta["n_tokens"] for meta in metas])])
+    handles = {table.key: open(table.path, "r+b") for table in tables}
+    try:
+        header = {table.key: _npy_data_offset(table.path) for table in tables}
+        for position, meta in enumerate(metas):
+            if position < joined:
+                if progress_bar is not None:
+                    progress_bar.update(meta["doc_end"] - meta["doc_start"])
+                continue
+            paths = chunk_paths(chunks, meta["chunk"], heads, compressed)
+            for table in tables:
+                row_bytes = table.dtype.itemsize * int(np.prod(table.row_shape, dtype=np.int64))
+                _append_rows(paths[table.key], handles[table.key], header[table.key] + int(starts[position]) *
+                             row_bytes, table.dtype)
+            if remove_joined:
+                for handle in handles.values():
+                    handle.flush()
+                write_json_atomic(state_path, {"plan": plan, "joined": position + 1})
+                kill_if_asked(f"join-{meta['chunk']}")
+                for table in tables:
+                    paths[table.key].unlink(missing_ok=True)
+            if progress_bar is not None:
+                progress_bar.update(meta["doc_end"] - meta["doc_start"])
+    finally:
+        for handle in handles.values():
+            handle.close()
     lengths = np.zeros(n_docs, dtype=np.int64)
     for meta in metas:
-        lengths[meta["doc_start"]: meta["doc_end"]] = np.load(chunk_paths(chunks, meta["chunk"], heads)["lengths"])
+        lengths[meta["doc_start"]: meta["doc_end"]] = np.load(
+            chunk_paths(chunks, meta["chunk"], heads, compressed)["lengths"])
     offsets = np.zeros(n_docs + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     save_npy_atomic(target / DOC_OFFSETS_NPY, offsets)
+    state_path.unlink(missing_ok=True)
     return n_tokens
+
+
+def _joined_so_far(state_path: Path, plan: dict[str, Any], tables: Sequence[JoinedTable], n_tokens: int) -> int | None:
+    """How many chunks an earlier, interrupted join of the same ``plan`` copied (None: start afresh), provided
+    its files are all there at their full size."""
+    try:
+        state = json.loads(state_path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+    if state.get("plan") != json_normalized(plan):
+        return None
+    for table in tables:
+        expected = n_tokens * table.dtype.itemsize * int(np.prod(table.row_shape, dtype=np.int64))
+        if not table.path.is_file() or table.path.stat().st_size != _npy_data_offset(table.path) + expected:
+            return None
+    return int(state["joined"])
+
+
+def _npy_data_offset(path: Path) -> int:
+    """Where the rows of the ``.npy`` file at ``path`` begin (the length of its header)."""
+    with open(path, "rb") as handle:
+        version = np.lib.format.read_magic(handle)
+        reader = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        reader(handle)
+        return handle.tell()
 
 
 def _append_rows(source: Path, handle: Any, position: int, dtype: type[np.generic]) -> int:
@@ -247,7 +395,7 @@ def _append_rows(source: Path, handle: Any, position: int, dtype: type[np.generi
     209 MB of vectors here); anything else (another dtype, no such call on this system, a file system refusing it
     part way) is written through numpy, from ``position`` again."""
     rows = np.load(source, mmap_mode="r")
-    if rows.size == 0:  # a chunk of empty documents
+    if rows.size == 0:  # a chunk of empty documents (np.load gives no memmap for an empty array)
         return position
     if rows.dtype == np.dtype(dtype) and rows.flags.c_contiguous and hasattr(os, "copy_file_range"):
         offset, size = rows.offset, rows.nbytes

@@ -43,6 +43,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from hil.modeling.contracts import Encoder
+from hil.retrieval.chunk_codec import ChunkCodec
 from hil.retrieval.chunks import discard_unfinished_chunks, encode_in_chunks, shard_docs
 from hil.retrieval.corpus_texts import write_corpus_texts
 from hil.retrieval.devices import autocast
@@ -63,6 +64,8 @@ class CorpusEncoding:
     the document encoding of the ``quantize`` view is added to it where the view is built. ``texts``: the caller's
     list, or (in the job sent to the ranks) a :class:`~hil.retrieval.corpus_texts.CorpusTextsFile`.
     ``tokenizer_workers``: loader processes tokenizing chunks ahead of the encoder, per rank (0: none).
+    ``compression``: store each chunk as codes and residuals (:mod:`hil.retrieval.chunk_codec`), computed on the
+    rank's device.
     """
 
     encoder: Encoder
@@ -77,6 +80,7 @@ class CorpusEncoding:
     progress: bool = True
     description: str = "encoding"
     tokenizer_workers: int = 0
+    compression: ChunkCodec | None = None
 
 
 def encode_shard(job: CorpusEncoding, device: torch.device, rank: int = 0, world: int = 1,
@@ -93,7 +97,8 @@ def encode_shard(job: CorpusEncoding, device: torch.device, rank: int = 0, world
     with eval_mode(view), autocast(device, job.precision):
         encode_in_chunks(view, job.texts, job.chunks, identity, chunk_docs=job.chunk_docs,
                          batch_size=job.batch_size, progress_bar=bar, rank=rank, world=world,
-                         workers=job.tokenizer_workers, on_written=on_written)
+                         workers=job.tokenizer_workers, on_written=on_written,
+                         compression=job.compression.on(device) if job.compression is not None else None)
     bar.close()
     return identity
 

@@ -130,8 +130,11 @@ def upload_rows(array: np.ndarray, dtype: type[np.generic] | None, device: torch
                 block: int = UPLOAD_ROWS) -> torch.Tensor:
     """``array`` (a memmap is fine) as a tensor of ``dtype`` (None: its own) on ``device``, converted and copied in
     blocks of ``block`` rows: no whole-table temporary on the host (the codes or vectors of a large corpus take
-    gigabytes)."""
+    gigabytes). On the CPU an array already of ``dtype`` is shared, not copied (a memmap stays file pages, which the
+    kernel may drop, instead of becoming the process's own memory)."""
     dtype = np.dtype(dtype or array.dtype)
+    if torch.device(device).type == "cpu" and array.dtype == dtype:
+        return host_tensor(array)
     out = torch.empty(array.shape, dtype=torch.from_numpy(np.empty(0, dtype=dtype)).dtype, device=device)
     for start in range(0, len(array), block):
         part = host_tensor(array[start: start + block], dtype)

@@ -37,16 +37,28 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
 import numpy as np
 import torch
 
+from hil.provenance import atomic_output
+from hil.retrieval.backends.configs import ASSIGNMENTS
+
 from hil.retrieval.devices import canonical_device, host_tensor, upload_rows
+from hil.retrieval.index import save_npy_atomic
 from hil.retrieval.kmeans import FAISS_ON_CPU, KMeansEngine, nearest_centroids, spherical_kmeans
+from hil.retrieval.two_level import CentroidGroups, assign_codes_coarse, two_level_kmeans
 
 # Rows of the (n_tokens, D) table handled at once when assigning codes: bounds the fp32 copy (16 MiB at D=128).
 _ASSIGN_BLOCK = 1 << 15
 # The same on a GPU (torch): 256 MiB of fp16 rows at D=128 per copy, few copies; the scores are blocked there again.
 _ASSIGN_BLOCK_DEVICE = 1 << 20
+# Tokens per block of the inverted file's build (write_ivf): bounds its temporaries (~150 MB at 8M tokens).
+IVF_BLOCK_TOKENS = 1 << 23
+# Above this many tokens stage 3 reads each document's stored codes instead of its distinct centroids (document_codes).
+DISTINCT_CODES_MAX_TOKENS = 1 << 25
 
 
 def default_n_centroids(n_tokens: int) -> int:
@@ -63,6 +75,33 @@ def sample_rows(n_rows: int, size: int, seed: int) -> np.ndarray:
     return np.sort(rng.choice(n_rows, size=min(size, n_rows), replace=False))
 
 
+@dataclass(frozen=True)
+class CentroidAssignment:
+    """How a token's centroid is found (``PlaidIndexConfig.assignment``): ``exact`` scores every centroid (FAISS's
+    ``IndexFlatIP`` or :func:`~hil.retrieval.kmeans.nearest_centroids` on the engine's device); ``two-level`` takes
+    the best member of the ``nprobe`` groups nearest to the token (:mod:`hil.retrieval.two_level`: ~sqrt(C) groups,
+    each scoring ~sqrt(C) centroids, instead of all C), the groups those of the two-level k-means that trained the
+    centroids."""
+
+    method: str = "exact"
+    groups: CentroidGroups | None = None
+    nprobe: int = 0
+
+    def __post_init__(self) -> None:
+        if self.method not in ASSIGNMENTS[1:]:
+            raise ValueError(f"assignment method must be one of {ASSIGNMENTS[1:]}, got {self.method!r}")
+        if self.method == "two-level" and (self.groups is None or self.nprobe < 1):
+            raise ValueError("a two-level assignment needs the centroids' groups and nprobe >= 1")
+
+    def record(self) -> dict[str, Any]:
+        if self.method == "exact":
+            return {"method": "exact"}
+        return {"method": self.method, "nprobe": self.nprobe, "n_groups": self.groups.n_groups}
+
+
+EXACT = CentroidAssignment()
+
+
 def train_centroids(embeddings: np.ndarray, n_centroids: int, *, train_size: int, niter: int = 10,
                     seed: int = 0, engine: KMeansEngine = FAISS_ON_CPU) -> np.ndarray:
     """Spherical k-means on a seeded sample of token vectors. embeddings (n_tokens, D) -> (C, D) float32.
@@ -72,18 +111,43 @@ def train_centroids(embeddings: np.ndarray, n_centroids: int, *, train_size: int
     ``engine.faiss_gpu`` is set: MS MARCO's 2^18 centroids, bench/README.md), or the same algorithm in torch on
     ``engine.device`` (:func:`~hil.retrieval.kmeans.spherical_kmeans`, the sample kept in its stored dtype).
     """
+    centroids, _ = train_plaid_centroids(embeddings, n_centroids, train_size=train_size, niter=niter, seed=seed,
+                                         engine=engine)
+    return centroids
+
+
+def train_plaid_centroids(embeddings: np.ndarray, n_centroids: int, *, train_size: int, niter: int = 10,
+                          seed: int = 0, engine: KMeansEngine = FAISS_ON_CPU, method: str = "exact",
+                          nprobe: int = 0) -> tuple[np.ndarray, CentroidAssignment]:
+    """:func:`train_centroids`, and how tokens are then assigned to the centroids: ``method="exact"`` trains by
+    flat k-means (FAISS or torch, as ``engine``) and assigns exactly; ``"two-level"`` trains by coarse-to-fine
+    k-means in torch on ``engine.device`` (:func:`~hil.retrieval.two_level.two_level_kmeans`: ~sqrt(C) coarse
+    clusters, then each one's share of the C centroids; FAISS's ``contrib/clustering.py two_level_clustering``)
+    and assigns through its groups, ``nprobe`` of them per token. -> (centroids (C, D) float32, the assignment).
+
+    The sample is every row when ``train_size`` covers the table (the compressed build passes its sample as the
+    table: nothing is copied from a memory map but what k-means reads)."""
     n_tokens, dim = embeddings.shape
     if not 1 <= n_centroids <= n_tokens:
         raise ValueError(f"n_centroids must lie in 1..n_tokens={n_tokens}, got {n_centroids}")
-    rows = sample_rows(n_tokens, max(train_size, n_centroids), seed)
-    if engine.name == "torch":
-        sample = host_tensor(embeddings[rows]).to(engine.device)  # (S, D)
+    whole = max(train_size, n_centroids) >= n_tokens
+    rows = None if whole else sample_rows(n_tokens, max(train_size, n_centroids), seed)
+    assignment = EXACT
+    if method == "two-level":
+        sample = host_tensor(embeddings if whole else embeddings[rows]).to(engine.device)  # (S, D), stored dtype
+        result = two_level_kmeans(sample, n_centroids, niter=niter, seed=seed)
+        centroids = result.centroids.cpu().numpy()
+        groups = CentroidGroups.from_two_level(result)
+        assignment = CentroidAssignment("two-level", CentroidGroups(groups.group_centroids.cpu(), groups.members,
+                                                                    groups.offsets), nprobe)
+    elif engine.name == "torch":
+        sample = host_tensor(embeddings if whole else embeddings[rows]).to(engine.device)  # (S, D)
         centroids = spherical_kmeans(sample, n_centroids, niter=niter, seed=seed).centroids.cpu().numpy()
     else:
-        centroids = _faiss_kmeans(np.ascontiguousarray(embeddings[rows], dtype=np.float32), n_centroids,
-                                  niter=niter, seed=seed, gpu=engine.faiss_gpu is not None)
+        centroids = _faiss_kmeans(np.ascontiguousarray(embeddings if whole else embeddings[rows], dtype=np.float32),
+                                  n_centroids, niter=niter, seed=seed, gpu=engine.faiss_gpu is not None)
     norms = np.linalg.norm(centroids, axis=1, keepdims=True)
-    return centroids / np.maximum(norms, 1e-12)
+    return centroids / np.maximum(norms, 1e-12), assignment
 
 
 def _faiss_kmeans(sample: np.ndarray, n_centroids: int, *, niter: int, seed: int, gpu: bool) -> np.ndarray:
@@ -105,17 +169,23 @@ def code_dtype(n_centroids: int) -> np.dtype:
 
 
 def assign_codes(embeddings: np.ndarray, centroids: np.ndarray, *, block_tokens: int | None = None,
-                 out: np.ndarray | None = None, engine: KMeansEngine = FAISS_ON_CPU) -> np.ndarray:
+                 out: np.ndarray | None = None, engine: KMeansEngine = FAISS_ON_CPU,
+                 assignment: CentroidAssignment = EXACT) -> np.ndarray:
     """The nearest centroid (largest inner product; ties: the lowest number) of every token. -> (n_tokens,)
     ``code_dtype``.
 
     Reads ``embeddings`` (a memmap is fine) in blocks of ``block_tokens`` rows; ``out`` may be a memmap too.
     ``engine``: FAISS's ``IndexFlatIP`` (on ``engine.faiss_gpu`` where faiss-gpu sees it, else the CPU), or torch
     on ``engine.device`` (:func:`~hil.retrieval.kmeans.nearest_centroids`: fp32 products, the same choice as
-    FAISS's but for scores equal to rounding). A block is one copy to the device and one back.
+    FAISS's but for scores equal to rounding). A block is one copy to the device and one back. A ``two-level``
+    ``assignment`` searches the centroids' groups instead (:func:`~hil.retrieval.two_level.assign_codes_coarse`,
+    torch on ``engine.device``; the nearest centroid among the probed groups' members).
     """
     n_tokens = embeddings.shape[0]
     codes = out if out is not None else np.empty(n_tokens, dtype=code_dtype(len(centroids)))
+    if assignment.method == "two-level":
+        return assign_codes_coarse(embeddings, centroids, assignment.groups, nprobe=assignment.nprobe, out=codes,
+                                   device=engine.device if engine.name == "torch" else "cpu")
     if engine.name == "torch":
         block_tokens = block_tokens or (_ASSIGN_BLOCK_DEVICE if engine.device.type != "cpu" else _ASSIGN_BLOCK)
         table = host_tensor(centroids, np.float32).to(engine.device)
@@ -165,6 +235,60 @@ def build_ivf(codes: np.ndarray, doc_offsets: np.ndarray, n_centroids: int) -> t
     return offsets, docs[first]
 
 
+def document_blocks(doc_offsets: np.ndarray, block_tokens: int) -> list[tuple[int, int]]:
+    """Consecutive ``[first, end)`` document ranges of about ``block_tokens`` tokens each (whole documents)."""
+    n_docs, n_tokens = len(doc_offsets) - 1, int(doc_offsets[-1])
+    cuts = np.searchsorted(doc_offsets, np.arange(block_tokens, n_tokens, block_tokens), side="right") - 1
+    bounds = np.unique(np.concatenate([[0], cuts, [n_docs]]))
+    return [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+
+
+def write_ivf(codes: np.ndarray, doc_offsets: np.ndarray, n_centroids: int, offsets_path: Path, docs_path: Path, *,
+              block_tokens: int = IVF_BLOCK_TOKENS, progress_bar: Any = None) -> tuple[int, int]:
+    """:func:`build_ivf` written to ``offsets_path`` / ``docs_path`` (``.npy``, each atomically) in bounded memory:
+    the same two arrays, computed in blocks of whole documents of about ``block_tokens`` tokens, twice over the
+    codes (a memmap is fine): once counting each centroid's entries, once placing them. Blocks follow the
+    documents, so each centroid's documents stay ascending. -> (n_entries, blocks); ``progress_bar`` advances by
+    2 per block."""
+    blocks = document_blocks(np.asarray(doc_offsets), block_tokens)
+    counts = np.zeros(n_centroids, dtype=np.int64)
+    for first, end in blocks:
+        cells, _ = _block_entries(codes, doc_offsets, first, end)
+        counts += np.bincount(cells, minlength=n_centroids)
+        if progress_bar is not None:
+            progress_bar.update(1)
+    offsets = np.zeros(n_centroids + 1, dtype=np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    n_entries = int(offsets[-1])
+    cursor = offsets[:-1].copy()
+    with atomic_output(docs_path) as tmp:
+        docs_out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.int32, shape=(n_entries,))
+        for first, end in blocks:
+            cells, docs = _block_entries(codes, doc_offsets, first, end)  # sorted by (cell, document)
+            run_start = np.flatnonzero(np.concatenate([[True], cells[1:] != cells[:-1]]))
+            rank = np.arange(len(cells)) - np.repeat(run_start, np.diff(np.append(run_start, len(cells))))
+            docs_out[cursor[cells] + rank] = docs
+            cursor += np.bincount(cells, minlength=n_centroids)
+            if progress_bar is not None:
+                progress_bar.update(1)
+        docs_out.flush()
+        del docs_out
+    save_npy_atomic(offsets_path, offsets)
+    return n_entries, len(blocks)
+
+
+def _block_entries(codes: np.ndarray, doc_offsets: np.ndarray, first: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct (centroid, document) pairs of documents ``[first, end)``, sorted by centroid then document."""
+    lo, hi = int(doc_offsets[first]), int(doc_offsets[end])
+    block = np.asarray(codes[lo:hi])
+    token_doc = np.repeat(np.arange(first, end, dtype=np.int32), np.diff(doc_offsets[first: end + 1]))
+    order = np.argsort(block, kind="stable")  # tokens are in document order: documents stay ascending per cell
+    cells, docs = block[order], token_doc[order]
+    keep = np.ones(len(order), dtype=bool)
+    keep[1:] = (cells[1:] != cells[:-1]) | (docs[1:] != docs[:-1])
+    return cells[keep].astype(np.int64), docs[keep]
+
+
 def distinct_doc_codes(ivf_offsets: np.ndarray, ivf_docs: np.ndarray, n_docs: int) -> tuple[np.ndarray, np.ndarray]:
     """Each document's distinct centroids, ascending: the inverted file read by document instead of by centroid
     (its entries are exactly the distinct (centroid, document) pairs). -> (doc_codes (E,) int32, doc_code_offsets
@@ -180,6 +304,17 @@ def distinct_doc_codes(ivf_offsets: np.ndarray, ivf_docs: np.ndarray, n_docs: in
     offsets = np.zeros(n_docs + 1, dtype=np.int64)
     np.cumsum(np.bincount(ivf_docs, minlength=n_docs), out=offsets[1:])
     return cells[order], offsets
+
+
+def document_codes(plan: "CentroidPlan") -> tuple[np.ndarray, np.ndarray]:
+    """What stage 3 reads for each document: its distinct centroids (:func:`distinct_doc_codes`), or, for an index
+    of more than :data:`DISTINCT_CODES_MAX_TOKENS` tokens, its tokens' codes as stored (``codes``, ``doc_offsets``:
+    the same maxima, as a repeated centroid changes no max). The distinct form reads fewer scores but costs a sort
+    of the inverted file held in memory (an int64 order of every entry: 1.2 GB at 150M entries), which a large
+    index does not have to spare: its codes are read from the memory map instead."""
+    if plan.n_tokens > DISTINCT_CODES_MAX_TOKENS:
+        return plan.codes, plan.doc_offsets
+    return distinct_doc_codes(plan.ivf_offsets, plan.ivf_docs, len(plan.doc_offsets) - 1)
 
 
 @dataclass(frozen=True)
@@ -219,8 +354,7 @@ class CentroidPlan:
         cache: dict[torch.device, PlanTables] = self.__dict__.setdefault("_tables", {})
         if device not in cache:
             if "_doc_codes" not in self.__dict__:  # on the host once, whatever the devices
-                self.__dict__["_doc_codes"] = distinct_doc_codes(self.ivf_offsets, self.ivf_docs,
-                                                                 len(self.doc_offsets) - 1)
+                self.__dict__["_doc_codes"] = document_codes(self)
             doc_codes, doc_code_offsets = self.__dict__["_doc_codes"]
             cache[device] = PlanTables(upload_rows(self.centroids, np.float32, device),
                                        upload_rows(doc_codes, np.int32, device),

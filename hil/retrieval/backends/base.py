@@ -139,6 +139,13 @@ class SearchBackend(ABC):
         return []
 
     @classmethod
+    def structure_bytes(cls, params: dict[str, Any], n_tokens: int, n_docs: int, dim: int) -> int:
+        """About how many bytes of files :meth:`build_head` writes for one head of ``n_tokens`` tokens with
+        resolved ``params`` (an upper estimate, for the disk check before a build: :mod:`hil.retrieval.disk_plan`);
+        0 by default (a structure rebuilt in memory)."""
+        return 0
+
+    @classmethod
     def resolve_machine_params(cls, params: dict[str, Any], *, device: torch.device, use_gpu: bool = False,
                                gpu_device: int = 0) -> dict[str, Any]:
         """Resolved ``params`` with the choices that depend on the machine building them (PLAID's ``kmeans:

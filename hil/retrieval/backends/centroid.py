@@ -26,13 +26,18 @@ from hil.retrieval.codec import NBITS, CompressedEmbeddings, ResidualCodec, fit_
 from hil.retrieval.index import DOC_OFFSETS_NPY, embeddings_path, plaid_paths, save_npy_atomic
 from hil.retrieval.integrity import check_finite_vectors, load_npy, rebuild_hint
 from hil.retrieval.kmeans import kmeans_engine
-from hil.retrieval.plaid import (CentroidPlan, assign_codes, build_ivf, code_dtype, default_n_centroids,
-                                 sample_rows, train_centroids)
+from hil.retrieval.plaid import (CentroidPlan, assign_codes, code_dtype, default_n_centroids, sample_rows,
+                                 train_plaid_centroids, write_ivf)
 from hil.retrieval.plaid_search import plaid_pairs
 from hil.retrieval.store import TokenTable
 
 # Tokens the residual buckets are fitted on (a seeded sample).
-_CODEC_SAMPLE = 1 << 16
+CODEC_SAMPLE = 1 << 16
+# assignment "auto": two-level on a CPU build from this many centroids (SciFact x16's 2^15: exact assignment of its
+# 13M tokens took ~12 minutes here, of MS MARCO's 633M to 2^18 it would take days; bench/README.md).
+TWO_LEVEL_MIN_CENTROIDS = 1 << 15
+# Groups probed per token by a two-level assignment unless assignment_nprobe says otherwise (bench/README.md).
+TWO_LEVEL_NPROBE = 8
 
 
 def _check_plaid_params(resolved: dict[str, Any], n_tokens: int, dim: int) -> None:
@@ -81,17 +86,32 @@ class PlaidBackend(SearchBackend):
             "train_size": min(n_tokens, int(params.get("train_size") or 32 * n_centroids)),
             "niter": int(params["niter"]), "seed": int(params["seed"]),
             "residual_bits": int(params.get("residual_bits") or 0),
-            "keep_embeddings": bool(params["keep_embeddings"]), "kmeans": params["kmeans"]}
+            "keep_embeddings": bool(params["keep_embeddings"]), "kmeans": params["kmeans"],
+            "assignment": params["assignment"], "assignment_nprobe": params.get("assignment_nprobe", "auto")}
         _check_plaid_params(resolved, n_tokens, dim)
         return resolved
 
     @classmethod
     def resolve_machine_params(cls, params: dict[str, Any], *, device: torch.device, use_gpu: bool = False,
                                gpu_device: int = 0) -> dict[str, Any]:
-        """``kmeans`` resolved for a build on ``device`` (:func:`~hil.retrieval.kmeans.kmeans_engine`): ``faiss``
-        or ``torch``, what ``index.json`` records."""
+        """``kmeans`` and ``assignment`` resolved for a build on ``device`` (:func:`~hil.retrieval.kmeans.
+        kmeans_engine`), what ``index.json`` records: ``assignment: auto`` is ``two-level`` for a build without a
+        GPU and at least :data:`TWO_LEVEL_MIN_CENTROIDS` centroids, else ``exact``; ``two-level`` runs our torch
+        k-means (``kmeans: torch``, with ``auto`` asked; an explicit ``faiss`` is refused with it) and takes
+        :data:`TWO_LEVEL_NPROBE` groups per token unless ``assignment_nprobe`` says otherwise."""
         engine = kmeans_engine(params["kmeans"], device, use_gpu=use_gpu, gpu_device=gpu_device)
-        return dict(params, kmeans=engine.name)
+        on_gpu = engine.faiss_gpu is not None or engine.device.type != "cpu"
+        assignment = params.get("assignment", "exact")
+        if assignment == "auto":
+            assignment = "two-level" if not on_gpu and params["n_centroids"] >= TWO_LEVEL_MIN_CENTROIDS else "exact"
+        if assignment == "two-level":
+            if params["kmeans"] == "faiss":
+                raise UserError("plaid: assignment='two-level' trains its centroids with torch k-means; "
+                                "kmeans='faiss' cannot be honoured with it (use kmeans='auto' or 'torch')")
+            engine = kmeans_engine("torch", device, use_gpu=use_gpu, gpu_device=gpu_device)
+        nprobe = params.get("assignment_nprobe", "auto")
+        nprobe = (TWO_LEVEL_NPROBE if nprobe == "auto" else int(nprobe)) if assignment == "two-level" else None
+        return dict(params, kmeans=engine.name, assignment=assignment, assignment_nprobe=nprobe)
 
     @classmethod
     def factory(cls, params: dict[str, Any]) -> str:
@@ -100,6 +120,13 @@ class PlaidBackend(SearchBackend):
     @classmethod
     def head_files(cls, directory: Path, head: str) -> list[Path]:
         return list(plaid_paths(directory, head).values())
+
+    @classmethod
+    def structure_bytes(cls, params: dict[str, Any], n_tokens: int, n_docs: int, dim: int) -> int:
+        """Codes, the inverted file (at most one entry per token, int32), centroids, and packed residuals."""
+        codes = code_dtype(params["n_centroids"]).itemsize
+        residuals = dim * params["residual_bits"] // 8
+        return n_tokens * (codes + 4 + residuals) + params["n_centroids"] * (dim * 4 + 8)
 
     @classmethod
     def build_head(cls, directory: Path, head: str, vectors: TokenTable, params: dict[str, Any], *,
@@ -118,16 +145,19 @@ class PlaidBackend(SearchBackend):
         paths = plaid_paths(directory, head)
         engine = kmeans_engine(params.get("kmeans", "faiss"), device if device is not None else "cpu",
                                use_gpu=use_gpu, gpu_device=gpu_device)
-        centroids = train_centroids(vectors, params["n_centroids"], train_size=params["train_size"],
-                                    niter=params["niter"], seed=params["seed"], engine=engine)
+        centroids, assignment = train_plaid_centroids(
+            vectors, params["n_centroids"], train_size=params["train_size"], niter=params["niter"],
+            seed=params["seed"], engine=engine, method=params.get("assignment") or "exact",
+            nprobe=params.get("assignment_nprobe") or 0)
         with atomic_output(paths["codes"]) as tmp:
             codes = np.lib.format.open_memmap(tmp, mode="w+", dtype=code_dtype(len(centroids)),
                                               shape=(vectors.shape[0],))
-            assign_codes(vectors, centroids, out=codes, engine=engine)
+            assign_codes(vectors, centroids, out=codes, engine=engine, assignment=assignment)
             codes.flush()
             del codes
         codes = np.load(paths["codes"], mmap_mode="r")
-        ivf_offsets, ivf_docs = build_ivf(np.asarray(codes), np.load(directory / DOC_OFFSETS_NPY), len(centroids))
+        write_ivf(codes, np.load(directory / DOC_OFFSETS_NPY), len(centroids), paths["ivf_offsets"],
+                  paths["ivf_docs"])
         codec = None
         if params["residual_bits"]:
             codec = _write_residuals(paths["residuals"], vectors, codes, centroids, params)
@@ -135,8 +165,6 @@ class PlaidBackend(SearchBackend):
             paths["residuals"].unlink(missing_ok=True)
         del codes
         save_npy_atomic(paths["centroids"], centroids)
-        save_npy_atomic(paths["ivf_offsets"], ivf_offsets)
-        save_npy_atomic(paths["ivf_docs"], ivf_docs)
         if not params["keep_embeddings"]:
             embeddings_path(directory, head).unlink(missing_ok=True)
         return codec
@@ -153,8 +181,9 @@ class PlaidBackend(SearchBackend):
             # Every query token is scored against every centroid: one NaN centroid would spoil every search.
             check_finite_vectors(centroids, str(paths["centroids"]),
                                  "the file is damaged; " + rebuild_hint(self.index.directory))
+            # The inverted file stays a memory map (file pages, not this process's memory: 600 MB at 150M entries).
             cache[key] = CentroidPlan(centroids, load_npy(paths["codes"], "r"), load_npy(paths["ivf_offsets"]),
-                                      load_npy(paths["ivf_docs"]), self.index.doc_offsets)
+                                      load_npy(paths["ivf_docs"], "r"), self.index.doc_offsets)
         return cache[key]
 
     def _check_resolved(self) -> None:
@@ -200,7 +229,7 @@ def _write_residuals(path: Path, vectors: np.ndarray, codes: np.ndarray, centroi
                      params: dict[str, Any]) -> ResidualCodec:
     """Fit residual buckets on a seeded sample of tokens, then compress every token into ``path``."""
     n_tokens = vectors.shape[0]
-    rows = sample_rows(n_tokens, min(n_tokens, _CODEC_SAMPLE), params["seed"] + 1)
+    rows = sample_rows(n_tokens, min(n_tokens, CODEC_SAMPLE), params["seed"] + 1)
     codec = fit_residual_codec(np.asarray(vectors[rows], dtype=np.float32), np.asarray(codes[rows]), centroids,
                                params["residual_bits"])
     with atomic_output(path) as tmp:

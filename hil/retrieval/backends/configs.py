@@ -28,6 +28,8 @@ from hil.errors import UserError
 
 # PlaidIndexConfig.kmeans: which k-means builds PLAID's centroids (hil.retrieval.kmeans.kmeans_engine)
 KMEANS_CHOICES = ("auto", "faiss", "torch")
+# PlaidIndexConfig.assignment: how each token's nearest centroid is found (hil.retrieval.plaid.CentroidAssignment)
+ASSIGNMENTS = ("auto", "exact", "two-level")
 # MuveraSearchConfig: the fewest candidates a search takes by default (a candidate recall@100 needs 100)
 MUVERA_MIN_CANDIDATES = 100
 
@@ -124,7 +126,19 @@ class PlaidIndexConfig(IndexConfig):
     ``auto`` (default: faiss-gpu where it sees the GPU, else torch on a GPU build, else FAISS on the CPU:
     :func:`~hil.retrieval.kmeans.kmeans_engine`). ``index.json`` records the one that ran; ``auto`` accepts an index
     built by either (an index moved to another machine is not rebuilt because ``auto`` chooses otherwise there),
-    an explicit name only an index built by that one."""
+    an explicit name only an index built by that one.
+
+    ``assignment`` is how each token's nearest centroid is found (``hil.retrieval.plaid.CentroidAssignment``):
+    ``exact`` (every centroid scored), ``two-level`` (centroids trained by two-level k-means in torch, each token
+    assigned among the members of its ``assignment_nprobe`` nearest coarse groups: ~sqrt(C) scores per group
+    instead of C), or ``auto`` (default: ``two-level`` on a CPU build with at least
+    ``hil.retrieval.backends.centroid.TWO_LEVEL_MIN_CENTROIDS`` centroids, where exact assignment would take
+    hours to days; ``exact`` on a GPU and below that size). ``assignment_nprobe`` None (or ``auto``) takes the measured default.
+    Both are recorded as resolved; ``auto`` accepts an index assigned either way.
+
+    A compressed-only index (``residual_bits`` with ``keep_embeddings=False``) is built compressed as it is encoded
+    (:mod:`hil.retrieval.compressed_build`): its centroids and buckets come from a sample of the corpus, drawn
+    first, and no fp16 vector is ever written."""
 
     kind: ClassVar[str] = "plaid"
     n_centroids: int | None = None
@@ -134,10 +148,17 @@ class PlaidIndexConfig(IndexConfig):
     residual_bits: int = 0
     keep_embeddings: bool = True
     kmeans: str = "auto"
+    assignment: str = "auto"
+    assignment_nprobe: int | str | None = None
 
     def __post_init__(self) -> None:
         for name in ("n_centroids", "train_size", "niter"):
             _at_least(self, name, getattr(self, name))
+        if self.assignment_nprobe != "auto":  # "auto" (as None): the measured default, as resolved settings say
+            _at_least(self, "assignment_nprobe", self.assignment_nprobe)
+        if self.assignment not in ASSIGNMENTS:
+            raise UserError(f"PlaidIndexConfig.assignment must be one of {', '.join(ASSIGNMENTS)} "
+                             f"(got {self.assignment!r})")
         _at_least(self, "seed", self.seed, low=0)
         _at_least(self, "residual_bits", self.residual_bits, low=0)
         if self.kmeans not in KMEANS_CHOICES:

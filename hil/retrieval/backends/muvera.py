@@ -144,6 +144,12 @@ class MuveraBackend(SearchBackend):
         return [directory / f"{head}.muvera.faiss", directory / f"{head}.muvera.npz"]
 
     @classmethod
+    def structure_bytes(cls, params: dict[str, Any], n_tokens: int, n_docs: int, dim: int) -> int:
+        """One fp32 FDE per document in a flat FAISS index."""
+        size = params["d_final"] or fde_dimension(dim, params["k_sim"], params["d_proj"], params["r_reps"])
+        return n_docs * size * 4
+
+    @classmethod
     def build_head(cls, directory: Path, head: str, vectors: TokenTable, params: dict[str, Any], *,
                    use_gpu: bool = False, gpu_device: int = 0,
                    device: torch.device | None = None) -> ResidualCodec | None:

@@ -296,6 +296,13 @@ class IvfBackend(TokenAnnBackend):
         return [directory / f"{head}.faiss"]
 
     @classmethod
+    def structure_bytes(cls, params: dict[str, Any], n_tokens: int, n_docs: int, dim: int) -> int:
+        """FAISS's file: every vector in fp32 (IVF-Flat; PQ codes for IVF-PQ) and its 8-byte id, and the lists'
+        centroids."""
+        per_token = (params["m"] * params["nbits"] + 7) // 8 if "m" in params else 4 * dim
+        return n_tokens * (per_token + 8) + params["nlist"] * dim * 4
+
+    @classmethod
     def build_head(cls, directory: Path, head: str, vectors: TokenTable, params: dict[str, Any], *,
                    use_gpu: bool = False, gpu_device: int = 0,
                    device: torch.device | None = None) -> ResidualCodec | None:
