@@ -37,7 +37,7 @@ SHIMS = (
          "0.3.0"),
     Shim("ncandidates", "hil/evaluation/settings.py", "SearchConfig.ncandidates", "0.3.0"),
     Shim("faiss_kind", "hil/retrieval/builder.py", "build_index(backend=...)", "0.3.0"),
-    Shim("def rebuild_faiss", "hil/retrieval/builder.py", "rebuild_search_structures", "0.3.0"),
+    Shim("def rebuild_faiss", "hil/retrieval/structures.py", "rebuild_search_structures", "0.3.0"),
     Shim("faiss_kind", "hil/retrieval/transformed.py", "derive_index(backend=...)", "0.3.0"),
     Shim("FAISS_KINDS", "hil/retrieval/backends/registry.py", "BACKEND_KINDS", "0.3.0"),
     Shim("faiss_settings = backend_settings", "hil/retrieval/index.py", "TokenIndex.backend_settings", "0.3.0"),

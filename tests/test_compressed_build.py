@@ -213,13 +213,121 @@ def test_a_corpus_that_will_not_fit_is_refused_before_any_encoding(hf_tokenizer,
 @pytest.mark.parametrize("config", [FlatIndexConfig(), PlaidIndexConfig(), COMPRESSED],
                          ids=["flat", "plaid", "compressed"])
 def test_the_disk_estimate_covers_the_index_without_overstating_it(hf_tokenizer, tmp_path, config):
-    from hil.retrieval.disk_plan import disk_need
+    from hil.retrieval import disk_plan
 
     encoder = make_encoder(hf_tokenizer)
     ids, texts = toy_corpus(300)
-    need = disk_need(encoder, config, ids, texts, None)
+    config, _ = disk_plan.sized_config(config, encoder, len(ids), disk_plan.CorpusLengths(encoder, texts, None))
+    need = disk_plan.disk_need(encoder, config, ids,
+                               tokens_per_doc=disk_plan.tokens_per_document(encoder, texts, None))
     index = build_index(encoder, ids, texts, tmp_path / "idx", backend=config, progress=False)
     on_disk = index.disk_bytes()
     # Token lengths are estimated from the tokenization (an upper bound of what is stored): within 2x above.
     assert on_disk <= need.index_bytes <= 2.5 * on_disk, (on_disk, need)
     assert need.peak_bytes >= need.index_bytes
+
+
+def test_the_disk_check_tokenizes_a_sample_only_when_the_doc_maxlen_bound_does_not_fit(hf_tokenizer, tmp_path,
+                                                                                        monkeypatch):
+    from hil.retrieval import disk_plan
+
+    encoder = make_encoder(hf_tokenizer)
+    ids, texts = toy_corpus(300)
+    per_doc = disk_plan.tokens_per_document(encoder, texts, None)
+    measured = disk_plan.disk_need(encoder, COMPRESSED, ids, tokens_per_doc=per_doc)
+    bound = disk_plan.disk_need(encoder, COMPRESSED, ids, tokens_per_doc=encoder.tokenizer.doc_maxlen)
+    assert encoder.tokenizer.doc_maxlen > per_doc and bound.peak_bytes > measured.peak_bytes
+    calls = []
+    real = disk_plan.tokens_per_document
+    monkeypatch.setattr(disk_plan, "tokens_per_document", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def check(free):
+        disk_plan.check_disk(tmp_path / "idx", encoder, COMPRESSED, ids, disk_plan.CorpusLengths(encoder, texts, None),
+                             free=free)
+
+    check(bound.peak_bytes)
+    assert calls == [], "the bound fits: nothing tokenized"
+    check((measured.peak_bytes + bound.peak_bytes) // 2)
+    assert calls == [1], "the bound does not fit: the measured need decides, and it fits"
+    with pytest.raises(UserError, match="not enough disk"):
+        check(measured.peak_bytes - 1)
+
+
+# -- the storage a corpus gets when left to it ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("asked, fp16_bytes, expected", [
+    ((None, None), 4 << 30, (0, True)),             # at the threshold: fp16 kept, no residuals (as before)
+    ((None, None), (4 << 30) + 256, (2, False)),     # one token above: compressed as encoded, 2 bits
+    ((4, None), 1 << 20, (4, True)),                 # bits given, small: fp16 kept beside them
+    ((4, None), 1 << 40, (4, False)),                # bits given, large: fp16 dropped
+    ((0, None), 1 << 40, (0, True)),                 # no residuals asked: the fp16 vectors are the storage
+    ((None, False), 1 << 20, (2, False)),            # no fp16 asked on a small corpus: residuals it needs
+    ((None, True), 1 << 40, (2, True)),              # fp16 asked on a large one: kept, residuals beside
+    ((8, False), 1 << 20, (8, False)),               # both given: as given
+])
+def test_plaid_storage_left_to_the_corpus(asked, fp16_bytes, expected):
+    from hil.retrieval.backends.configs import KEEP_FP16_UP_TO_BYTES
+
+    assert KEEP_FP16_UP_TO_BYTES == 4 << 30
+    config = PlaidIndexConfig(residual_bits=asked[0], keep_embeddings=asked[1])
+    sized, record = config.sized(fp16_bytes // 256, 256)  # D = 128, one head
+    assert (sized.residual_bits, sized.keep_embeddings) == expected
+    assert record["asked"] == {"residual_bits": asked[0], "keep_embeddings": asked[1]}
+    assert record["fp16_bytes_estimate"] == fp16_bytes and (record["residual_bits"], record["keep_embeddings"]) == expected
+    assert not sized.storage_left_to_corpus and sized.n_centroids == config.n_centroids
+
+
+def test_auto_spellings_are_none_and_bad_keep_embeddings_is_refused():
+    assert PlaidIndexConfig(residual_bits="auto", keep_embeddings="auto") == PlaidIndexConfig()
+    with pytest.raises(UserError, match="keep_embeddings must be true, false or null"):
+        PlaidIndexConfig(keep_embeddings="false")
+
+
+def test_a_corpus_above_the_threshold_is_compressed_as_encoded_and_says_so(hf_tokenizer, tmp_path, monkeypatch):
+    from hil.retrieval.backends import configs
+
+    encoder = make_encoder(hf_tokenizer)  # D = 16: 32 fp16 bytes a token
+    ids, texts = toy_corpus(120)
+    small = build_index(encoder, ids, texts, tmp_path / "small", backend=PlaidIndexConfig(n_centroids=16),
+                        progress=False)
+    assert not small.compressed_only and small.backend_settings["params"]["residual_bits"] == 0
+    assert small.meta["storage_choice"]["tokens_per_doc"] == "doc_maxlen bound"
+    # The threshold lowered below this corpus (the doc_maxlen bound is above it, the measured length too)
+    monkeypatch.setattr(configs, "KEEP_FP16_UP_TO_BYTES", 32 * small.n_tokens // 2)
+    large = build_index(encoder, ids, texts, tmp_path / "large", backend=PlaidIndexConfig(n_centroids=16),
+                        progress=False)
+    assert large.compressed_only and large.backend_settings["params"]["residual_bits"] == 2
+    choice = large.meta["storage_choice"]
+    assert choice["tokens_per_doc"] == "measured on a sample" and choice["keep_embeddings"] is False
+    assert choice["n_tokens_estimate"] >= large.n_tokens, "tokenized lengths bound the stored tokens from above"
+    assert "plan" in json.dumps(large.meta) and large.meta.get("build_plan"), "built compressed as encoded"
+    # Reused as it is by the same request (the unset values match what was chosen), whatever the threshold now
+    monkeypatch.setattr(configs, "KEEP_FP16_UP_TO_BYTES", 4 << 30)
+    again = open_or_build_index(encoder, ids, texts, tmp_path / "large", backend=PlaidIndexConfig(n_centroids=16),
+                                progress=False)
+    assert again.how_opened == "reused"
+
+
+@pytest.mark.parametrize("config, per_token", [(FlatIndexConfig(), 4 * 16), (COMPRESSED, 0)], ids=["flat", "plaid"])
+def test_an_index_whose_search_would_not_fit_in_memory_is_refused_before_any_encoding(hf_tokenizer, tmp_path,
+                                                                                      monkeypatch, config, per_token):
+    from hil.retrieval import disk_plan
+
+    encoder = make_encoder(hf_tokenizer)  # D = 16: flat holds 64 bytes a token in fp32
+    calls = []
+    monkeypatch.setattr(type(encoder), "encode", lambda *a, **k: calls.append(1))
+    ids, texts = toy_corpus(200)
+    n_tokens = 200 * disk_plan.tokens_per_document(encoder, texts, None)
+    monkeypatch.setattr(disk_plan, "physical_memory_bytes", lambda: int(0.9 * n_tokens * 64))
+    if not per_token:  # PLAID's files are memory-mapped: nothing to refuse (the build stopped by hand, after)
+        assert disk_plan.search_memory_need(encoder, config, 200, 10_000.0) == 0
+        return
+    with pytest.raises(UserError) as caught:
+        build_index(encoder, ids, texts, tmp_path / "idx", backend=config, progress=False)
+    message = str(caught.value)
+    assert "200 documents" in message and "use the plaid back-end" in message and "\n" not in message
+    assert calls == [] and not (tmp_path / "idx").exists()
+    lengths = disk_plan.CorpusLengths(encoder, texts, None)
+    assert disk_plan.search_memory_need(encoder, config, 200, lengths.bound) > 1.1 * n_tokens * 64, \
+        "the doc_maxlen bound alone would refuse it: the measured lengths decide"
+    disk_plan.check_memory(tmp_path / "idx", encoder, config, 200, lengths, ram=int(1.1 * n_tokens * 64))

@@ -121,9 +121,9 @@ def test_a_killed_rank_fails_cleanly_and_its_rerun_reuses_finished_chunks(two_he
     written = []
     original = chunks_module._write_chunk
 
-    def counting(encoder, texts, paths, *args):
+    def counting(encoder, texts, paths, *args, **kwargs):
         written.append(int(paths["meta"].name[6:11]))
-        return original(encoder, texts, paths, *args)
+        return original(encoder, texts, paths, *args, **kwargs)
 
     monkeypatch.setattr(chunks_module, "_write_chunk", counting)
     build(two_heads, directory)  # the rerun may use any number of processes: chunks do not depend on it
@@ -221,10 +221,10 @@ def test_chunks_of_another_precision_are_not_reused(tiny_bert, tmp_path, monkeyp
                         precision="bf16")
     original = chunks_module._write_chunk
 
-    def dying_after_chunk_0(encoder, chunk_texts, paths, *args):
+    def dying_after_chunk_0(encoder, chunk_texts, paths, *args, **kwargs):
         if not paths["meta"].name.startswith("chunk-00000"):
             raise KeyboardInterrupt("simulated crash")
-        return original(encoder, chunk_texts, paths, *args)
+        return original(encoder, chunk_texts, paths, *args, **kwargs)
 
     monkeypatch.setattr(chunks_module, "_write_chunk", dying_after_chunk_0)
     with pytest.raises(KeyboardInterrupt):

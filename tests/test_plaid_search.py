@@ -94,8 +94,8 @@ def test_plaid_files_and_reuse(setup, hf_tokenizer):
 def test_bad_plaid_params_are_refused(setup):
     encoder, _, _, ids, texts, root = setup
     with pytest.raises(ValueError, match="keep_embeddings"):
-        build_index(encoder, ids, texts, root / "bad1", faiss_kind="plaid", faiss_params={"keep_embeddings": False},
-                    progress=False)
+        build_index(encoder, ids, texts, root / "bad1", faiss_kind="plaid",
+                    faiss_params={"keep_embeddings": False, "residual_bits": 0}, progress=False)
     with pytest.raises(ValueError, match="residual_bits"):
         build_index(encoder, ids, texts, root / "bad2", faiss_kind="plaid", faiss_params={"residual_bits": 3},
                     progress=False)

@@ -240,6 +240,15 @@ def test_two_level_kmeans_structure():
         assert numpy_inertia(own, mine) < numpy_inertia(own, others)
 
 
+def test_two_level_kmeans_reports_level_one_then_each_coarse_cluster():
+    x = torch.from_numpy(blobs(3000, 16, 40, 0.3, 3))
+    steps = []
+    quiet = two_level_kmeans(x, 60, niter=3, seed=1, n_coarse=7)
+    loud = two_level_kmeans(x, 60, niter=3, seed=1, n_coarse=7, on_cluster=steps.append)
+    assert steps == [1] * 8, "level 1, then the 7 coarse clusters of level 2"
+    assert torch.equal(quiet.centroids, loud.centroids), "progress changes nothing"
+
+
 def test_two_level_kmeans_is_seeded():
     x = torch.from_numpy(blobs(4000, 16, 60, 0.3, 2))
     first = two_level_kmeans(x, 64, niter=4, seed=5)

@@ -47,7 +47,7 @@ from hil.retrieval.chunk_codec import ChunkCodec
 from hil.retrieval.chunks import (JOIN_STATE, collect_chunks, encoding_batch_sizes, join_chunks, kill_if_asked,
                                   store_source_chunks)
 from hil.retrieval.compressed_build import CompressedBuild, compressed_as_encoded
-from hil.retrieval.disk_plan import check_disk, disk_need
+from hil.retrieval.disk_plan import CorpusLengths, check_disk, check_memory, sized_config
 from hil.retrieval.encoding import EncodedTokens, eval_mode
 from hil.retrieval.progress import progress_bar
 from hil.retrieval.vector_source import DocumentVectors, EncodedDocuments, VectorSource
@@ -256,6 +256,8 @@ def build_index(encoder: Encoder, doc_ids: Sequence[str], texts: Sequence[str] |
     device = torch.device(encoder.device)
     batch_size = batch_size if batch_size is not None else DEFAULT_BATCH_SIZE.get(device.type, 32)
     _check_request(heads, batch_size, chunk_docs, config)
+    lengths = CorpusLengths(encoder, texts, vectors)
+    config, storage_choice = sized_config(config, encoder, len(doc_ids), lengths)
     _check_encoding(device, processes, precision, quantize)
     check_tokenizer_workers(tokenizer_workers)
     corpus_fp = corpus_fingerprint or (vectors.fingerprint() if vectors is not None
@@ -268,7 +270,9 @@ def build_index(encoder: Encoder, doc_ids: Sequence[str], texts: Sequence[str] |
                  processes, tokenizer_workers, progress, device, use_gpu, gpu_device, str(directory))
     with file_lock(lock_path(directory), what=f"building {directory.name}"):
         _check_target(directory, overwrite)
-        check_disk(directory, disk_need(encoder, config, doc_ids, texts, vectors))
+        check_disk(directory, encoder, config, doc_ids, lengths)
+        if device.type == "cpu" and not use_gpu:  # searched on this machine's host memory
+            check_memory(directory, encoder, config, len(doc_ids), lengths)
         # index.json's build_seconds: each stage's wall time (a stage a resumed build skipped costs ~0); each stage
         # ends with a host read of its results, so on a GPU the time is its own.
         seconds = StageClock()
@@ -289,6 +293,7 @@ def build_index(encoder: Encoder, doc_ids: Sequence[str], texts: Sequence[str] |
                                       "processes": processes},
                           build_seconds=seconds.stages,
                           **({"document_encoding": document_encoding} if document_encoding else {}),
+                          **({"storage_choice": storage_choice} if storage_choice else {}),
                           **({"vector_source": vectors.record()} if vectors is not None else {}), **extra)
         seal_index(job.folder, meta)  # last: its presence marks the folder a finished index
         kill_if_asked("sealed")

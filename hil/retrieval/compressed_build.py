@@ -225,12 +225,19 @@ def _train(job: CompressedBuild, sample: dict[str, Any]) -> dict[str, Any]:
     engine = _engine(job, params)
     n_train = sample["train_tokens"]
     codecs, assignments = {}, {}
-    bar = progress_bar(len(job.heads), "k-means", "head", enabled=job.progress)
+    # Steps a bar can time: two-level k-means reports level 1 and each coarse cluster of level 2 (n_coarse + 1 of
+    # them), flat k-means only its end; one more step per head for the residual buckets.
+    two_level = params["assignment"] == "two-level"
+    per_head = (max(1, round(params["n_centroids"] ** 0.5)) + 1 if two_level else 1) + 1
+    bar = progress_bar(len(job.heads) * per_head, "k-means", "step", enabled=job.progress)
     for head in job.heads:
         tokens = np.load(_sample_path(job.folder, head), mmap_mode="r")
         centroids, assignment = train_plaid_centroids(
             tokens[:n_train], params["n_centroids"], train_size=n_train, niter=params["niter"], seed=params["seed"],
-            engine=engine, method=params["assignment"], nprobe=params["assignment_nprobe"] or 0)
+            engine=engine, method=params["assignment"], nprobe=params["assignment_nprobe"] or 0,
+            on_cluster=bar.update)
+        if not two_level:
+            bar.update(1)
         heldout = np.asarray(tokens[n_train:])
         if len(heldout) == 0 or sample["heldout_tokens"] != len(heldout):
             raise RuntimeError(f"{_sample_path(job.folder, head)}: {len(heldout)} held-out tokens, "

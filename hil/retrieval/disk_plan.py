@@ -1,4 +1,5 @@
-"""How much disk an index build needs, known before any encoding, and the one-line refusal when it is not there.
+"""How much disk an index build needs (and its search's memory), known before any encoding, and the one-line
+refusal when it is not there.
 
 A build that runs out of disk after hours of encoding loses the hours. The need is estimated from the corpus
 before anything is encoded: documents x tokens per document x bytes per token, the tokens per document measured on a
@@ -8,11 +9,15 @@ token those of the index asked for (fp16 vectors, or a compressed index's codes 
 structures (:meth:`~hil.retrieval.backends.base.SearchBackend.structure_bytes`), and what the build holds on the
 way (one chunk, a compressed build's sample twice, a build from fp16 its structures beside the vectors). The
 refusal names the folder, the need and what is free (:class:`~hil.errors.UserError`: exit 2); a resumed build counts
-what its unfinished folder already holds.
+what its unfinished folder already holds. The same way, an index whose search would hold more than the machine's
+RAM (flat or IVF-Flat over a large corpus: every token in fp32) is refused before encoding (:func:`check_memory`).
+Both try the bound of every document at ``doc_maxlen`` first, and tokenize a sample only when the bound does not
+fit (:class:`CorpusLengths`).
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +27,7 @@ import numpy as np
 
 from hil.errors import UserError
 from hil.modeling.contracts import Encoder
-from hil.retrieval.backends.configs import IndexConfig
+from hil.retrieval.backends.configs import IndexConfig, PlaidIndexConfig
 from hil.retrieval.backends.registry import backend_class
 from hil.retrieval.compressed_build import compressed_as_encoded
 from hil.retrieval.index import unfinished_build_dir
@@ -61,11 +66,48 @@ def tokens_per_document(encoder: Encoder, texts: Sequence[str] | None, vectors: 
     return float(np.mean(lengths)) if lengths else 0.0
 
 
-def disk_need(encoder: Encoder, config: IndexConfig, doc_ids: Sequence[str], texts: Sequence[str] | None,
-              vectors: VectorSource | None, chunk_docs: int = CHUNK_DOCS) -> DiskNeed:
-    """The disk a build of this corpus and ``config`` needs (module docstring)."""
+class CorpusLengths:
+    """Tokens per document of a corpus, as cheaply as a question allows: the bound of every document at
+    ``doc_maxlen`` costs nothing; the mean over a tokenized sample (:func:`tokens_per_document`) is measured on the
+    first call of :meth:`measured` only (a vector source's lengths are read, not estimated)."""
+
+    def __init__(self, encoder: Encoder, texts: Sequence[str] | None, vectors: VectorSource | None):
+        self.encoder, self.texts, self.vectors = encoder, texts, vectors
+        self._measured: float | None = None
+
+    @property
+    def bound(self) -> float:
+        return self.measured() if self.vectors is not None else float(self.encoder.tokenizer.doc_maxlen)
+
+    def measured(self) -> float:
+        if self._measured is None:
+            self._measured = tokens_per_document(self.encoder, self.texts, self.vectors)
+        return self._measured
+
+
+def sized_config(config: IndexConfig, encoder: Encoder, n_docs: int,
+                 lengths: CorpusLengths) -> tuple[IndexConfig, dict[str, Any] | None]:
+    """``config`` with the settings it leaves to the corpus's size decided (PLAID's storage:
+    :meth:`~hil.retrieval.backends.configs.PlaidIndexConfig.sized`), from the ``doc_maxlen`` bound when even that
+    keeps the corpus small, else from the measured lengths; -> (the settings, the choice's record or None)."""
+    if not isinstance(config, PlaidIndexConfig) or not config.storage_left_to_corpus:
+        return config, None
+    fp16_per_token = 2 * int(encoder.dim) * len(encoder.head_names)
+    sized, record = config.sized(int(round(n_docs * lengths.bound)), fp16_per_token)
+    if sized.residual_bits or not sized.keep_embeddings:  # the bound says large: the measured length decides
+        sized, record = config.sized(int(round(n_docs * lengths.measured())), fp16_per_token)
+        record["tokens_per_doc"] = "measured on a sample"
+    else:
+        record["tokens_per_doc"] = "doc_maxlen bound"
+    return sized, record
+
+
+def disk_need(encoder: Encoder, config: IndexConfig, doc_ids: Sequence[str], *, tokens_per_doc: float,
+              chunk_docs: int = CHUNK_DOCS) -> DiskNeed:
+    """The disk a build of this corpus (``tokens_per_doc`` measured, or a bound) and ``config`` (its storage
+    decided: :func:`sized_config`) needs (module docstring)."""
     n_docs = len(doc_ids)
-    per_doc = tokens_per_document(encoder, texts, vectors)
+    per_doc = tokens_per_doc
     n_tokens = max(1, int(round(n_docs * per_doc)))
     heads, dim = len(encoder.head_names), int(encoder.dim)
     backend = backend_class(config.kind)
@@ -101,15 +143,54 @@ def _held(folder: Path) -> int:
     return int(sum(path.stat().st_size for path in folder.rglob("*") if path.is_file()))
 
 
-def check_disk(directory: Path, need: DiskNeed, *, free: int | None = None) -> None:
-    """Refuse, in one line naming the folder, the need and what is free, a build that would not fit."""
+def check_disk(directory: Path, encoder: Encoder, config: IndexConfig, doc_ids: Sequence[str],
+               lengths: CorpusLengths, *, free: int | None = None) -> None:
+    """Refuse, in one line naming the folder, the need and what is free, a build that would not fit. The bound of
+    every document at ``doc_maxlen`` is tried first: when even that fits, no document is tokenized for the
+    estimate (a small corpus, or a large disk, costs nothing here)."""
     free = free_bytes(directory) if free is None else free
-    short = need.peak_bytes - _held(unfinished_build_dir(Path(directory)))
+    held = _held(unfinished_build_dir(Path(directory)))
+    bound = disk_need(encoder, config, doc_ids, tokens_per_doc=lengths.bound)
+    if bound.peak_bytes - held <= free:
+        return
+    need = disk_need(encoder, config, doc_ids, tokens_per_doc=lengths.measured())
+    short = need.peak_bytes - held
     if short > free:
         raise UserError(f"{directory}: not enough disk for this index: it needs about {_size(need.peak_bytes)} "
                         f"while building ({need.n_docs:,} documents x ~{need.tokens_per_doc:.0f} tokens x "
                         f"{need.bytes_per_token:.0f} B for the index, {_size(need.index_bytes)}, plus what the build "
                         f"holds on the way), and {_size(free)} is free there")
+
+
+def physical_memory_bytes() -> int:
+    """This machine's RAM (0 where the system does not say)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def search_memory_need(encoder: Encoder, config: IndexConfig, n_docs: int, tokens_per_doc: float) -> int:
+    """Host bytes a search of this index holds in memory (every head: :meth:`~hil.retrieval.backends.base.
+    SearchBackend.search_memory_bytes`)."""
+    n_tokens = max(1, int(round(n_docs * tokens_per_doc)))
+    backend, dim = backend_class(config.kind), int(encoder.dim)
+    params = backend.resolve_params(config, n_tokens, dim)
+    return len(encoder.head_names) * backend.search_memory_bytes(params, n_tokens, n_docs, dim)
+
+
+def check_memory(directory: Path, encoder: Encoder, config: IndexConfig, n_docs: int, lengths: CorpusLengths, *,
+                 ram: int | None = None) -> None:
+    """Refuse, in one line, an index whose search would hold more than this machine's RAM (a flat or IVF-Flat
+    index of a large corpus: every token in fp32), before hours of encoding; PLAID's files are memory-mapped."""
+    ram = physical_memory_bytes() if ram is None else ram
+    if not ram or search_memory_need(encoder, config, n_docs, lengths.bound) <= ram:
+        return
+    need = search_memory_need(encoder, config, n_docs, lengths.measured())
+    if need > ram:
+        raise UserError(f"{directory}: a {config.kind} index of {n_docs:,} documents (~{lengths.measured():.0f} "
+                        f"tokens each) holds about {_size(need)} in memory to search, and this machine has "
+                        f"{_size(ram)}: use the plaid back-end (compressed as it is encoded, memory-mapped)")
 
 
 def _size(n_bytes: float) -> str:
@@ -118,9 +199,3 @@ def _size(n_bytes: float) -> str:
             return f"{n_bytes / scale:.1f} {unit}"
     return f"{n_bytes / 1e3:.0f} kB"
 
-
-def describe(need: DiskNeed) -> dict[str, Any]:
-    """The estimate as ``index.json`` records it."""
-    return {"n_docs": need.n_docs, "tokens_per_doc_estimate": round(need.tokens_per_doc, 2),
-            "bytes_per_token_estimate": round(need.bytes_per_token, 2), "index_bytes_estimate": need.index_bytes,
-            "peak_bytes_estimate": need.peak_bytes}

@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -118,7 +118,8 @@ def train_centroids(embeddings: np.ndarray, n_centroids: int, *, train_size: int
 
 def train_plaid_centroids(embeddings: np.ndarray, n_centroids: int, *, train_size: int, niter: int = 10,
                           seed: int = 0, engine: KMeansEngine = FAISS_ON_CPU, method: str = "exact",
-                          nprobe: int = 0) -> tuple[np.ndarray, CentroidAssignment]:
+                          nprobe: int = 0, on_cluster: Callable[[int], None] | None = None
+                          ) -> tuple[np.ndarray, CentroidAssignment]:
     """:func:`train_centroids`, and how tokens are then assigned to the centroids: ``method="exact"`` trains by
     flat k-means (FAISS or torch, as ``engine``) and assigns exactly; ``"two-level"`` trains by coarse-to-fine
     k-means in torch on ``engine.device`` (:func:`~hil.retrieval.two_level.two_level_kmeans`: ~sqrt(C) coarse
@@ -126,7 +127,8 @@ def train_plaid_centroids(embeddings: np.ndarray, n_centroids: int, *, train_siz
     and assigns through its groups, ``nprobe`` of them per token. -> (centroids (C, D) float32, the assignment).
 
     The sample is every row when ``train_size`` covers the table (the compressed build passes its sample as the
-    table: nothing is copied from a memory map but what k-means reads)."""
+    table: nothing is copied from a memory map but what k-means reads). ``on_cluster``: two-level's progress
+    (:func:`~hil.retrieval.two_level.two_level_kmeans`)."""
     n_tokens, dim = embeddings.shape
     if not 1 <= n_centroids <= n_tokens:
         raise ValueError(f"n_centroids must lie in 1..n_tokens={n_tokens}, got {n_centroids}")
@@ -135,7 +137,7 @@ def train_plaid_centroids(embeddings: np.ndarray, n_centroids: int, *, train_siz
     assignment = EXACT
     if method == "two-level":
         sample = host_tensor(embeddings if whole else embeddings[rows]).to(engine.device)  # (S, D), stored dtype
-        result = two_level_kmeans(sample, n_centroids, niter=niter, seed=seed)
+        result = two_level_kmeans(sample, n_centroids, niter=niter, seed=seed, on_cluster=on_cluster)
         centroids = result.centroids.cpu().numpy()
         groups = CentroidGroups.from_two_level(result)
         assignment = CentroidAssignment("two-level", CentroidGroups(groups.group_centroids.cpu(), groups.members,

@@ -17,7 +17,7 @@ import torch
 
 from hil.errors import UserError
 from hil.provenance import StageClock, file_lock, lock_path
-from hil.retrieval.backends.configs import IndexConfig, configs_from_params, index_config
+from hil.retrieval.backends.configs import IndexConfig, PlaidIndexConfig, configs_from_params, index_config
 from hil.retrieval.backends.registry import BACKENDS, backend_class
 from hil.retrieval.codec import CompressedEmbeddings
 from hil.retrieval.index import TokenIndex, plaid_paths, seal_index
@@ -100,10 +100,15 @@ def rebuild_search_structures(index: TokenIndex, backend: str | IndexConfig, *, 
     rebuilds)."""
     with file_lock(lock_path(index.directory), what="rebuilding its search structures"):
         seconds = StageClock()
-        settings = write_search_files(index.directory, index.embeddings, index_config(backend), use_gpu, progress,
+        config, choice = index_config(backend), None
+        if isinstance(config, PlaidIndexConfig) and config.storage_left_to_corpus:  # this corpus's size, known
+            config, choice = config.sized(index.n_tokens, 2 * sum(index.dims.values()))
+        settings = write_search_files(index.directory, index.embeddings, config, use_gpu, progress,
                                       gpu_device, device)
         seconds.stage("search_structures")
-        meta = {key: value for key, value in index.meta.items() if key != "faiss"}
+        meta = {key: value for key, value in index.meta.items() if key not in ("faiss", "storage_choice")}
+        if choice is not None:
+            meta["storage_choice"] = dict(choice, tokens_per_doc="counted")
         # The encoding's and join's seconds belong to the earlier build: only what this one did is recorded.
         seal_index(index.directory, dict(meta, backend=settings, build_seconds=seconds.stages))
         # The checksums were just computed from these very files: the sizes say they are the ones recorded.

@@ -49,6 +49,7 @@ another BLAS or a GPU they agree to rounding. Ties among group scores at the ``n
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -126,11 +127,13 @@ class TwoLevelKMeans:
 
 def two_level_kmeans(points: torch.Tensor, n_centroids: int, *, niter: int, seed: int = 0,
                      n_coarse: int | None = None, coarse_points_per_centroid: int = COARSE_POINTS_PER_CENTROID,
-                     refine_niter: int = 0, refine_nprobe: int = 4) -> TwoLevelKMeans:
+                     refine_niter: int = 0, refine_nprobe: int = 4,
+                     on_cluster: Callable[[int], None] | None = None) -> TwoLevelKMeans:
     """Spherical k-means of ``points`` (n, D), any float dtype, on their device, coarse to fine (module docstring):
     ``n_coarse`` (default ``round(sqrt(C))``) coarse clusters, then each one's share of the ``n_centroids`` fine
     ones, then ``refine_niter`` iterations over all of them with coarse assignment. Deterministic for a seed. The
-    points stay in their dtype: only gathered clusters and blocks are widened.
+    points stay in their dtype: only gathered clusters and blocks are widened. ``on_cluster(1)`` is called after
+    level 1 and after each coarse cluster of level 2 (``n_coarse + 1`` calls in all: a progress bar's steps).
     """
     if points.dim() != 2:
         raise ValueError(f"two_level_kmeans: points must be (n, D), got shape {tuple(points.shape)}")
@@ -155,11 +158,13 @@ def two_level_kmeans(points: torch.Tensor, n_centroids: int, *, niter: int, seed
         sample = points[torch.from_numpy(rows).to(points.device)]  # (S, D), the stored dtype
     coarse = spherical_kmeans(sample, n_coarse, niter=niter, seed=_stream_seed(seed, 1)).centroids
     del sample
+    step = on_cluster or (lambda done: None)
     coarse_codes, _ = nearest_centroids(points, coarse)  # (n,)
     order = torch.argsort(coarse_codes, stable=True)      # points cluster after cluster
     sizes = torch.bincount(coarse_codes, minlength=n_coarse).cpu()
     del coarse_codes
     counts = fine_centroid_counts(sizes.numpy(), n_centroids)
+    step(1)
     fine, start = [], 0
     for group, (size, count) in enumerate(zip(sizes.tolist(), counts.tolist())):
         members = order[start: start + size]
@@ -167,6 +172,7 @@ def two_level_kmeans(points: torch.Tensor, n_centroids: int, *, niter: int, seed
         if count:
             fine.append(spherical_kmeans(points[members], count, niter=niter,
                                          seed=_stream_seed(seed, 3 + group)).centroids)
+        step(1)
     offsets = torch.zeros(n_coarse + 1, dtype=torch.int64)
     torch.cumsum(torch.from_numpy(counts), 0, out=offsets[1:])
     result = TwoLevelKMeans(torch.cat(fine), coarse, offsets, sizes)

@@ -146,6 +146,13 @@ class SearchBackend(ABC):
         return 0
 
     @classmethod
+    def search_memory_bytes(cls, params: dict[str, Any], n_tokens: int, n_docs: int, dim: int) -> int:
+        """About how many bytes of host memory a search holds for one head (what FAISS loads or rebuilds in
+        memory; memory-mapped files do not count): the check before a build (:mod:`hil.retrieval.disk_plan`).
+        0 by default (memory-mapped, or small)."""
+        return 0
+
+    @classmethod
     def resolve_machine_params(cls, params: dict[str, Any], *, device: torch.device, use_gpu: bool = False,
                                gpu_device: int = 0) -> dict[str, Any]:
         """Resolved ``params`` with the choices that depend on the machine building them (PLAID's ``kmeans:

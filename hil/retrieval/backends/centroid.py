@@ -42,6 +42,9 @@ TWO_LEVEL_NPROBE = 8
 
 def _check_plaid_params(resolved: dict[str, Any], n_tokens: int, dim: int) -> None:
     n_centroids, bits = resolved["n_centroids"], resolved["residual_bits"]
+    keep = resolved["keep_embeddings"]
+    if bits == "auto":  # decided by the corpus before a build (PlaidIndexConfig.sized: never keep False without
+        bits, keep = 0, True  # residuals), and checked then
     if not 1 <= n_centroids <= max(1, n_tokens):
         raise UserError(f"plaid: n_centroids={n_centroids} must lie in 1..n_tokens={n_tokens}")
     if resolved["train_size"] < n_centroids:
@@ -52,7 +55,7 @@ def _check_plaid_params(resolved: dict[str, Any], n_tokens: int, dim: int) -> No
     if bits and (bits not in NBITS or dim * bits % 8):
         raise UserError(f"plaid: residual_bits must be 0 or one of {NBITS} (with D * bits a multiple of 8), "
                          f"got {bits}")
-    if not resolved["keep_embeddings"] and not bits:
+    if not keep and not bits:
         raise UserError("plaid: keep_embeddings=False needs residual_bits (the vectors must be stored somehow)")
 
 
@@ -78,15 +81,18 @@ class PlaidBackend(SearchBackend):
         """Stored structure (:class:`PlaidIndexConfig`): ``n_centroids`` (default ColBERTv2's
         ``2**floor(log2(16 sqrt(n_tokens)))``), k-means on ``train_size`` sampled tokens (default
         ``min(n_tokens, 32 n_centroids)``) for ``niter`` iterations, ``seed``, ``residual_bits``,
-        ``keep_embeddings``, and ``kmeans`` as asked (``auto`` is resolved by :meth:`resolve_machine_params`)."""
+        ``keep_embeddings`` (``auto`` where left to the corpus: a build decides them first,
+        :meth:`~hil.retrieval.backends.configs.PlaidIndexConfig.sized`), and ``kmeans`` as asked (``auto`` is
+        resolved by :meth:`resolve_machine_params`)."""
         params = cls.check_config(config).given()
         n_centroids = int(params.get("n_centroids") or default_n_centroids(n_tokens))
         resolved: dict[str, Any] = {
             "n_centroids": n_centroids,
             "train_size": min(n_tokens, int(params.get("train_size") or 32 * n_centroids)),
             "niter": int(params["niter"]), "seed": int(params["seed"]),
-            "residual_bits": int(params.get("residual_bits") or 0),
-            "keep_embeddings": bool(params["keep_embeddings"]), "kmeans": params["kmeans"],
+            "residual_bits": int(params["residual_bits"]) if "residual_bits" in params else "auto",
+            "keep_embeddings": bool(params["keep_embeddings"]) if "keep_embeddings" in params else "auto",
+            "kmeans": params["kmeans"],
             "assignment": params["assignment"], "assignment_nprobe": params.get("assignment_nprobe", "auto")}
         _check_plaid_params(resolved, n_tokens, dim)
         return resolved

@@ -21,7 +21,7 @@ An untyped ``faiss_params`` / ``backend_params`` dict (the spelling before these
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, ClassVar, Mapping
 
 from hil.errors import UserError
@@ -32,6 +32,15 @@ KMEANS_CHOICES = ("auto", "faiss", "torch")
 ASSIGNMENTS = ("auto", "exact", "two-level")
 # MuveraSearchConfig: the fewest candidates a search takes by default (a candidate recall@100 needs 100)
 MUVERA_MIN_CANDIDATES = 100
+# PlaidIndexConfig's storage when left to the corpus (residual_bits / keep_embeddings None): the fp16 vectors of
+# every head are kept (exact scores from fp16) while they take at most this many bytes; above it the index is
+# compressed as it is encoded, LARGE_CORPUS_RESIDUAL_BITS bits, no fp16. Why 4 GiB: measured on SciFact
+# (bench/README.md), 2-bit residuals cost -0.002..+0.005 nDCG@10 against fp16 and search ~1.4x slower, so fp16 is
+# the better default where its 7.5x disk is cheap and its table stays in a small machine's page cache (exact
+# scoring reads it at random); 4 GiB is 16.8M tokens at D = 128 (SciFact x16, Quora, FiQA below it; TREC-COVID,
+# Touche, CQADupStack and the large half of BEIR above: docs/results.md).
+KEEP_FP16_UP_TO_BYTES = 4 << 30
+LARGE_CORPUS_RESIDUAL_BITS = 2
 
 
 def _at_least(owner: object, name: str, value: int | None, low: int = 1) -> None:
@@ -121,6 +130,14 @@ class PlaidIndexConfig(IndexConfig):
     4), ``seed``; ``residual_bits`` (0 = none; 1, 2, 4 or 8) adds ColBERTv2 residual codes, and
     ``keep_embeddings=False`` (only with residuals) drops the fp16 vectors.
 
+    Storage left to the corpus (``residual_bits`` / ``keep_embeddings`` None, the default): a corpus whose fp16
+    vectors (all heads) would take at most :data:`KEEP_FP16_UP_TO_BYTES` keeps them and no residuals (exact scores
+    from fp16, as before); a larger one gets :data:`LARGE_CORPUS_RESIDUAL_BITS`-bit residuals and no fp16, built
+    compressed as encoded. A value given is kept (``residual_bits=2`` alone keeps the fp16 vectors of a small
+    corpus beside the residuals and drops them for a large one). The choice is made from the corpus's estimated
+    size before any encoding (:meth:`sized`) and recorded in ``index.json`` (``storage_choice``); a reused index
+    matches an unset value whatever was chosen.
+
     ``kmeans`` is which k-means (and nearest-centroid assignment) builds the centroids: ``faiss`` (FAISS, on the
     GPU where faiss-gpu sees it), ``torch`` (:mod:`hil.retrieval.kmeans`, on the build's GPU, else the CPU), or
     ``auto`` (default: faiss-gpu where it sees the GPU, else torch on a GPU build, else FAISS on the CPU:
@@ -145,8 +162,8 @@ class PlaidIndexConfig(IndexConfig):
     train_size: int | None = None
     niter: int = 4
     seed: int = 0
-    residual_bits: int = 0
-    keep_embeddings: bool = True
+    residual_bits: int | str | None = None
+    keep_embeddings: bool | str | None = None
     kmeans: str = "auto"
     assignment: str = "auto"
     assignment_nprobe: int | str | None = None
@@ -160,10 +177,37 @@ class PlaidIndexConfig(IndexConfig):
             raise UserError(f"PlaidIndexConfig.assignment must be one of {', '.join(ASSIGNMENTS)} "
                              f"(got {self.assignment!r})")
         _at_least(self, "seed", self.seed, low=0)
+        for name in ("residual_bits", "keep_embeddings"):  # "auto" (as resolved settings say it): None
+            if getattr(self, name) == "auto":
+                object.__setattr__(self, name, None)
         _at_least(self, "residual_bits", self.residual_bits, low=0)
+        if self.keep_embeddings is not None and not isinstance(self.keep_embeddings, bool):
+            raise UserError(f"PlaidIndexConfig.keep_embeddings must be true, false or null (got "
+                            f"{self.keep_embeddings!r})")
         if self.kmeans not in KMEANS_CHOICES:
             raise UserError(f"PlaidIndexConfig.kmeans must be one of {', '.join(KMEANS_CHOICES)} "
                              f"(got {self.kmeans!r})")
+
+
+    @property
+    def storage_left_to_corpus(self) -> bool:
+        """Whether the corpus's size decides ``residual_bits`` or ``keep_embeddings`` (class docstring)."""
+        return self.residual_bits is None or self.keep_embeddings is None
+
+    def sized(self, n_tokens: int, fp16_bytes_per_token: int) -> tuple["PlaidIndexConfig", dict[str, Any]]:
+        """These settings with the storage left to the corpus decided for ``n_tokens`` tokens of
+        ``fp16_bytes_per_token`` (every head's ``2 D``); -> (the settings, what ``index.json`` records as
+        ``storage_choice``). Settings given are kept."""
+        fp16_bytes = int(n_tokens) * int(fp16_bytes_per_token)
+        large = fp16_bytes > KEEP_FP16_UP_TO_BYTES
+        wants_residuals = large or self.keep_embeddings is False  # no fp16 asked: the vectors are the residuals
+        bits = self.residual_bits if self.residual_bits is not None else (
+            LARGE_CORPUS_RESIDUAL_BITS if wants_residuals else 0)
+        keep = self.keep_embeddings if self.keep_embeddings is not None else not (large and bits)
+        record = {"asked": {"residual_bits": self.residual_bits, "keep_embeddings": self.keep_embeddings},
+                  "n_tokens_estimate": int(n_tokens), "fp16_bytes_estimate": fp16_bytes,
+                  "keep_fp16_up_to_bytes": KEEP_FP16_UP_TO_BYTES, "residual_bits": bits, "keep_embeddings": keep}
+        return replace(self, residual_bits=bits, keep_embeddings=keep), record
 
 
 # MuveraIndexConfig.transform: the index-time transform of the token vectors before their FDEs are formed

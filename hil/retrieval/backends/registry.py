@@ -20,18 +20,28 @@ from hil.retrieval.backends.configs import SearchConfig
 from hil.retrieval.index import TokenIndex
 
 
+# The built-in kinds in the order every list shows them, whichever module happened to be imported first (a module
+# importing centroid.py directly registers plaid before flat); back-ends defined elsewhere follow, as registered.
+BUILT_IN_KINDS = ("flat", "ivfflat", "ivfpq", "plaid", "muvera")
+
+
+def backend_kinds() -> tuple[str, ...]:
+    """Every registered kind: the built-ins in :data:`BUILT_IN_KINDS`' order, then the others as registered."""
+    return tuple(k for k in BUILT_IN_KINDS if k in BACKENDS) + tuple(k for k in BACKENDS if k not in BUILT_IN_KINDS)
+
+
 def __getattr__(name: str) -> Any:
     if name == "BACKEND_KINDS":
-        return tuple(BACKENDS)
+        return backend_kinds()
     if name == "FAISS_KINDS":  # the name before 0.2
-        return tuple(BACKENDS)
+        return backend_kinds()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def backend_class(kind: str) -> type[SearchBackend]:
     """The back-end registered as ``kind``; an unknown kind is refused with the known ones listed."""
     if kind not in BACKENDS:
-        raise UserError(f"backend must be one of {tuple(BACKENDS)}, got {kind!r}")
+        raise UserError(f"backend must be one of {backend_kinds()}, got {kind!r}")
     return BACKENDS[kind]
 
 

@@ -252,6 +252,11 @@ class FlatBackend(TokenAnnBackend):
     def factory(cls, params: dict[str, Any]) -> str:
         return "Flat"
 
+    @classmethod
+    def search_memory_bytes(cls, params: dict[str, Any], n_tokens: int, n_docs: int, dim: int) -> int:
+        """``IndexFlatIP`` holds every stored vector widened to fp32."""
+        return n_tokens * dim * 4
+
     def _open_faiss(self, head: str, device: torch.device | None = None) -> Any:
         """FAISS's flat index on the CPU or faiss-gpu; for queries on an accelerator where FAISS is not on the GPU
         (faiss-cpu, the usual case with CUDA 13 torch), the same search in torch on that device when its table fits
@@ -301,6 +306,11 @@ class IvfBackend(TokenAnnBackend):
         centroids."""
         per_token = (params["m"] * params["nbits"] + 7) // 8 if "m" in params else 4 * dim
         return n_tokens * (per_token + 8) + params["nlist"] * dim * 4
+
+    @classmethod
+    def search_memory_bytes(cls, params: dict[str, Any], n_tokens: int, n_docs: int, dim: int) -> int:
+        """``faiss.read_index`` loads the whole file."""
+        return cls.structure_bytes(params, n_tokens, n_docs, dim)
 
     @classmethod
     def build_head(cls, directory: Path, head: str, vectors: TokenTable, params: dict[str, Any], *,

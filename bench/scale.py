@@ -1,0 +1,259 @@
+"""The index at corpus scale, through the real builder, without encoding (issue 38).
+
+    python bench/scale.py --factors 1,16,64,256 --output bench/results/scale.json
+
+A base index of SciFact (fp16 vectors, encoded once under ``--work``) is tiled ``factor`` times by
+:class:`hil.retrieval.vector_source.TiledVectors`: the original documents keep their ids and judgments, every other
+copy is turned by its own fixed random rotation, so copies are distractors with the base's statistics, not ties.
+``build_index(..., vectors=tiled)`` then builds the compressed-as-encoded PLAID index (2-bit residuals, no fp16
+kept) exactly as it builds a real corpus, minus the encoder. Per factor, each in a child process of its own:
+
+- build: seconds per stage (``index.json``'s ``build_seconds``), the peak disk of the build's folder (finished and
+  unfinished, polled every ``--poll`` seconds), the peak anonymous memory of the build's process tree (``RssAnon``
+  of /proc: file pages of memory maps apart), bytes per token, the plan (centroids, assignment, sample);
+- search: the original queries, one at a time (query encoding included): p50/p95 ms, nDCG@10 and recall@100, and
+  the search process's peak ``RssAnon`` (polled the same way).
+
+``--agreement-tokens`` tokens drawn from the largest tiled corpus are assigned exactly (brute force over the
+index's centroids) and compared with the codes the index stores (two-level on a CPU above 2^15 centroids): the
+share given the same centroid. ``--paired-factor`` builds that size twice, ``assignment`` exact and two-level, and
+compares nDCG@10 and recall@100 per query (paired t-test, :mod:`hil.evaluation.statistics`).
+
+This file imports nothing from ``hil`` in the parent; figures are taken one child at a time (run it on an idle
+machine: two cores are easily saturated).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+CHILD = r"""
+import dataclasses, json, sys, time
+sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/bench")
+spec = json.loads(sys.argv[2])
+import faiss, numpy as np, torch
+torch.set_num_threads(spec["threads"]); faiss.omp_set_num_threads(spec["threads"])
+from hil.data.beir import load_beir
+from hil.modeling.loading import load_encoder
+from hil.retrieval.index import TokenIndex
+torch.manual_seed(spec["seed"])  # the untrained head is a seeded random projection
+encoder = load_encoder(spec["model"], doc_maxlen=spec["doc_maxlen"])
+dataset = load_beir(spec["dataset"], split=spec["split"])
+out = {}
+if spec["step"] == "base":
+    from hil.retrieval.builder import open_or_build_index
+    tick = time.perf_counter()
+    index = open_or_build_index(encoder, dataset.doc_ids(), dataset.documents(), spec["base"],
+                                corpus_fingerprint=dataset.fingerprint(), progress=False)
+    out = {"seconds": time.perf_counter() - tick, "n_docs": index.n_docs, "n_tokens": index.n_tokens}
+elif spec["step"] == "build":
+    from hil.retrieval.backends.configs import PlaidIndexConfig
+    from hil.retrieval.builder import build_index
+    from hil.retrieval.vector_source import TiledVectors
+    base = TokenIndex.load(spec["base"])
+    tiled = TiledVectors(base, spec["factor"], seed=spec["seed"])
+    config = PlaidIndexConfig(residual_bits=spec["bits"], keep_embeddings=False, **spec["plaid"])
+    tick = time.perf_counter()
+    index = build_index(encoder, tiled.doc_ids(), None, spec["index"], vectors=tiled, backend=config,
+                        chunk_docs=spec["chunk_docs"], progress=spec["progress"], overwrite=True)
+    meta = index.meta
+    out = {"seconds": time.perf_counter() - tick, "n_docs": index.n_docs, "n_tokens": index.n_tokens,
+           "build_seconds": meta.get("build_seconds"), "build_plan": meta.get("build_plan"),
+           "params": index.backend_settings["params"], "disk_bytes": index.disk_bytes(),
+           "bytes_per_token": index.disk_bytes() / index.n_tokens,
+           "files": {p.name: p.stat().st_size for p in sorted(index.directory.iterdir())}}
+elif spec["step"] == "search":
+    from hil.evaluation.evaluate import score_run
+    from hil.retrieval.full_ranking import full_rank
+    index = TokenIndex.load(spec["index"])
+    queries = {q: dataset.queries[q] for q in dataset.queries if q in dataset.qrels}
+    if spec["queries"]:  # the judged queries searched, and only theirs scored (an unsearched query would count 0)
+        queries = dict(list(queries.items())[: spec["queries"]])
+        dataset = dataclasses.replace(dataset, qrels={q: dataset.qrels[q] for q in queries})
+    first = next(iter(queries))
+    full_rank(encoder, index, {first: queries[first]}, k=spec["k"], batch_size=1, progress=False)  # warm-up
+    run, times = {}, []
+    for qid, text in queries.items():
+        tick = time.perf_counter()
+        result = full_rank(encoder, index, {qid: text}, k=spec["k"], batch_size=1, progress=False)
+        times.append(1000.0 * (time.perf_counter() - tick))
+        run.update(result.run)
+    evaluation = score_run("scale", dataset, run, metrics=("ndcg@10", "recall@100"))
+    out = {"p50_ms": float(np.percentile(times, 50)), "p95_ms": float(np.percentile(times, 95)),
+           "n_queries": len(times), "ndcg@10": float(evaluation.aggregate["ndcg@10"]),
+           "recall@100": float(evaluation.aggregate["recall@100"]),
+           "per_query": {q: {m: float(v[m]) for m in ("ndcg@10", "recall@100")}
+                         for q, v in evaluation.per_query.items()},
+           "search_stats": {k: v for k, v in result.stats.items() if isinstance(v, (int, float, str))}}
+elif spec["step"] == "agreement":
+    from hil.retrieval.vector_source import TiledVectors
+    base = TokenIndex.load(spec["base"])
+    index = TokenIndex.load(spec["index"])
+    tiled = TiledVectors(base, spec["factor"], seed=spec["seed"])
+    rng = np.random.default_rng(spec["seed"])
+    rows = np.sort(rng.choice(tiled.n_docs, size=min(tiled.n_docs, spec["agreement_docs"]), replace=False))
+    encoded = tiled.vectors(rows)
+    offsets = np.asarray(index.doc_offsets)
+    token_rows = np.concatenate([np.arange(offsets[r], offsets[r + 1]) for r in rows])
+    out = {}
+    for head in tiled.head_names:
+        centroids = torch.from_numpy(np.load(index.directory / f"{head}.centroids.npy").astype(np.float32))
+        stored = np.asarray(np.load(index.directory / f"{head}.codes.npy", mmap_mode="r")[token_rows], np.int64)
+        vectors = torch.from_numpy(encoded.embeddings[head].astype(np.float32))
+        exact = torch.cat([(block @ centroids.T).argmax(1) for block in vectors.split(4096)]).numpy()
+        out[head] = {"tokens": int(len(exact)), "same_centroid": float((exact == stored).mean()),
+                     "n_centroids": int(len(centroids))}
+print("RESULT " + json.dumps(out))
+"""
+
+
+def tree_rss_anon_kb(pid: int) -> int:
+    """RssAnon (KiB) of ``pid`` and every descendant (file pages of memory maps apart)."""
+    total, stack = 0, [pid]
+    while stack:
+        current = stack.pop()
+        try:
+            with open(f"/proc/{current}/status") as handle:
+                for line in handle:
+                    if line.startswith("RssAnon:"):
+                        total += int(line.split()[1])
+            for task in os.listdir(f"/proc/{current}/task"):
+                with open(f"/proc/{current}/task/{task}/children") as handle:
+                    stack.extend(int(child) for child in handle.read().split())
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+    return total
+
+
+def folder_bytes(folders: list[Path]) -> int:
+    """Allocated bytes under ``folders`` (st_blocks, so sparse or not-yet-written pages do not count)."""
+    total = 0
+    for folder in folders:
+        for dirpath, _, filenames in os.walk(folder):
+            for name in filenames:
+                try:
+                    total += os.stat(os.path.join(dirpath, name)).st_blocks * 512
+                except FileNotFoundError:
+                    pass
+    return total
+
+
+def child(spec: dict[str, Any], watch: list[Path], poll: float) -> dict[str, Any]:
+    """Run one step in a child; -> its result with the peak RssAnon of its tree and the peak disk of ``watch``."""
+    process = subprocess.Popen([sys.executable, "-c", CHILD, str(ROOT), json.dumps(spec)], stdout=subprocess.PIPE,
+                               text=True)
+    peaks = {"rss_anon_kb": 0, "disk_bytes": 0}
+    done = threading.Event()
+
+    def watcher() -> None:
+        while not done.is_set():
+            peaks["rss_anon_kb"] = max(peaks["rss_anon_kb"], tree_rss_anon_kb(process.pid))
+            if watch:
+                peaks["disk_bytes"] = max(peaks["disk_bytes"], folder_bytes(watch))
+            done.wait(poll)
+
+    thread = threading.Thread(target=watcher, daemon=True)
+    thread.start()
+    stdout, _ = process.communicate()
+    done.set()
+    thread.join()
+    if process.returncode != 0:
+        raise SystemExit(f"scale bench: step {spec['step']} (factor {spec.get('factor')}) failed "
+                         f"with exit {process.returncode}")
+    result = json.loads(next(line for line in stdout.splitlines() if line.startswith("RESULT "))[7:])
+    return {**result, "peak_rss_anon_mb": peaks["rss_anon_kb"] / 1024, "peak_disk_bytes": peaks["disk_bytes"]}
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--factors", default="1,16,64,256", help="corpus multiples, comma-separated")
+    parser.add_argument("--dataset", default=str(ROOT.parent / "shared/data/beir/scifact"))
+    parser.add_argument("--split", default="test")
+    parser.add_argument("--model", default=str(ROOT.parent / "shared/models/all-MiniLM-L6-v2"))
+    parser.add_argument("--doc-maxlen", type=int, default=180)
+    parser.add_argument("--work", default=str(HERE / "work" / "scale"))
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=12345)
+    parser.add_argument("--bits", type=int, default=2)
+    parser.add_argument("--chunk-docs", type=int, default=8192)
+    parser.add_argument("--queries", type=int, default=0, help="judged queries searched (0: all)")
+    parser.add_argument("--k", type=int, default=100)
+    parser.add_argument("--assignment", default="auto", choices=("auto", "exact", "two-level"))
+    parser.add_argument("--paired-factor", type=int, default=0, help="build this size exact and two-level (0: no)")
+    parser.add_argument("--agreement-docs", type=int, default=2000, help="documents checked against exact codes")
+    parser.add_argument("--poll", type=float, default=1.0)
+    parser.add_argument("--keep", action="store_true", help="keep each tiled index after it is measured")
+    parser.add_argument("--progress", action="store_true")
+    parser.add_argument("--output", default=None)
+    args = parser.parse_args(argv)
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    common = {"threads": args.threads, "seed": args.seed, "model": args.model, "doc_maxlen": args.doc_maxlen,
+              "dataset": args.dataset, "split": args.split, "base": str(work / "base"), "bits": args.bits,
+              "chunk_docs": args.chunk_docs, "queries": args.queries, "k": args.k, "progress": args.progress,
+              "agreement_docs": args.agreement_docs}
+    results: dict[str, Any] = {"base": child({**common, "step": "base"}, [], args.poll), "sizes": {}}
+    print(f"base: {results['base']['n_tokens']} tokens", flush=True)
+    plans = [(int(f), args.assignment) for f in args.factors.split(",") if f]
+    if args.paired_factor:
+        plans += [(args.paired_factor, "exact"), (args.paired_factor, "two-level")]
+    for factor, assignment in plans:
+        label = f"x{factor}" + ("" if assignment == args.assignment else f"-{assignment}")
+        folder = work / label
+        index = folder / "index"
+        plaid = {} if assignment == "auto" else {"assignment": assignment}
+        spec = {**common, "factor": factor, "index": str(index), "plaid": plaid}
+        build = child({**spec, "step": "build"}, [folder], args.poll)
+        search = child({**spec, "step": "search"}, [], args.poll)
+        entry = {"factor": factor, "assignment": assignment, "build": build, "search": search}
+        if assignment == args.assignment and factor == max(f for f, a in plans if a == args.assignment) \
+                and args.agreement_docs:
+            entry["agreement"] = child({**spec, "step": "agreement"}, [], args.poll)
+        results["sizes"][label] = entry
+        print(f"{label}: {build['n_tokens']} tokens, build {build['seconds']:.0f} s, "
+              f"{build['bytes_per_token']:.1f} B/token, peak disk {build['peak_disk_bytes'] / 2**30:.2f} GiB, "
+              f"build RssAnon {build['peak_rss_anon_mb']:.0f} MB; search p50 {search['p50_ms']:.1f} ms, "
+              f"nDCG@10 {search['ndcg@10']:.4f}, RssAnon {search['peak_rss_anon_mb']:.0f} MB", flush=True)
+        if not args.keep:
+            import shutil
+            shutil.rmtree(folder, ignore_errors=True)
+    if args.paired_factor:
+        results["paired"] = paired(results["sizes"], args.paired_factor, args.assignment)
+    if args.output:
+        sys.path.insert(0, str(HERE))
+        sys.path.insert(0, str(ROOT))
+        from measure import write_results
+
+        write_results(args.output, vars(args), argv, results)
+
+
+def paired(sizes: dict[str, Any], factor: int, default: str) -> dict[str, Any]:
+    """Exact vs two-level assignment at one size: per-query nDCG@10 and recall@100, paired t-test."""
+    sys.path.insert(0, str(ROOT))
+    from hil.evaluation.statistics import paired_t_test
+
+    exact = sizes[f"x{factor}" + ("" if default == "exact" else "-exact")]["search"]["per_query"]
+    coarse = sizes[f"x{factor}" + ("" if default == "two-level" else "-two-level")]["search"]["per_query"]
+    out = {}
+    for metric in ("ndcg@10", "recall@100"):
+        a = {q: v[metric] for q, v in coarse.items()}
+        b = {q: v[metric] for q, v in exact.items()}
+        test = paired_t_test(a, b)
+        out[metric] = {"two_level_minus_exact": sum(a[q] - b[q] for q in a) / len(a), "p_value": test.p_value,
+                       "n": len(a)}
+    return out
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
