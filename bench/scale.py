@@ -14,10 +14,11 @@ kept) exactly as it builds a real corpus, minus the encoder. Per factor, each in
 - search: the original queries, one at a time (query encoding included): p50/p95 ms, nDCG@10 and recall@100, and
   the search process's peak ``RssAnon`` (polled the same way).
 
-``--agreement-tokens`` tokens drawn from the largest tiled corpus are assigned exactly (brute force over the
-index's centroids) and compared with the codes the index stores (two-level on a CPU above 2^15 centroids): the
-share given the same centroid. ``--paired-factor`` builds that size twice, ``assignment`` exact and two-level, and
-compares nDCG@10 and recall@100 per query (paired t-test, :mod:`hil.evaluation.statistics`).
+At each of ``--agreement-factors``, the tokens of ``--agreement-docs`` documents drawn from the tiled corpus are
+assigned exactly (brute force over the index's centroids) and compared with the codes the index stores (two-level
+on a CPU from 2^15 centroids): the share given the same centroid. ``--paired-factor`` builds that size with ``assignment`` exact too (and two-level, unless
+the default build of that size was two-level already) and compares nDCG@10 and recall@100 per query (paired t-test,
+:mod:`hil.evaluation.statistics`).
 
 This file imports nothing from ``hil`` in the parent; figures are taken one child at a time (run it on an idle
 machine: two cores are easily saturated).
@@ -151,6 +152,7 @@ def folder_bytes(folders: list[Path]) -> int:
 
 def child(spec: dict[str, Any], watch: list[Path], poll: float) -> dict[str, Any]:
     """Run one step in a child; -> its result with the peak RssAnon of its tree and the peak disk of ``watch``."""
+    load = list(os.getloadavg())
     process = subprocess.Popen([sys.executable, "-c", CHILD, str(ROOT), json.dumps(spec)], stdout=subprocess.PIPE,
                                text=True)
     peaks = {"rss_anon_kb": 0, "disk_bytes": 0}
@@ -172,7 +174,8 @@ def child(spec: dict[str, Any], watch: list[Path], poll: float) -> dict[str, Any
         raise SystemExit(f"scale bench: step {spec['step']} (factor {spec.get('factor')}) failed "
                          f"with exit {process.returncode}")
     result = json.loads(next(line for line in stdout.splitlines() if line.startswith("RESULT "))[7:])
-    return {**result, "peak_rss_anon_mb": peaks["rss_anon_kb"] / 1024, "peak_disk_bytes": peaks["disk_bytes"]}
+    return {**result, "peak_rss_anon_mb": peaks["rss_anon_kb"] / 1024, "peak_disk_bytes": peaks["disk_bytes"],
+            "load_average_before": load}
 
 
 def main(argv: list[str]) -> None:
@@ -192,6 +195,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--assignment", default="auto", choices=("auto", "exact", "two-level"))
     parser.add_argument("--paired-factor", type=int, default=0, help="build this size exact and two-level (0: no)")
     parser.add_argument("--agreement-docs", type=int, default=2000, help="documents checked against exact codes")
+    parser.add_argument("--agreement-factors", default="16,256",
+                        help="sizes (of --factors) whose stored codes are checked against exact assignment")
     parser.add_argument("--poll", type=float, default=1.0)
     parser.add_argument("--keep", action="store_true", help="keep each tiled index after it is measured")
     parser.add_argument("--progress", action="store_true")
@@ -209,6 +214,9 @@ def main(argv: list[str]) -> None:
     if args.paired_factor:
         plans += [(args.paired_factor, "exact"), (args.paired_factor, "two-level")]
     for factor, assignment in plans:
+        default = results["sizes"].get(f"x{factor}")
+        if assignment == "two-level" and default and default["build"]["params"]["assignment"] == "two-level":
+            continue  # the default build of this size is the two-level one
         label = f"x{factor}" + ("" if assignment == args.assignment else f"-{assignment}")
         folder = work / label
         index = folder / "index"
@@ -217,10 +225,12 @@ def main(argv: list[str]) -> None:
         build = child({**spec, "step": "build"}, [folder], args.poll)
         search = child({**spec, "step": "search"}, [], args.poll)
         entry = {"factor": factor, "assignment": assignment, "build": build, "search": search}
-        if assignment == args.assignment and factor == max(f for f, a in plans if a == args.assignment) \
+        if assignment == args.assignment and str(factor) in args.agreement_factors.split(",") \
                 and args.agreement_docs:
             entry["agreement"] = child({**spec, "step": "agreement"}, [], args.poll)
         results["sizes"][label] = entry
+        if args.output:  # after every size: a run cut short keeps what it measured
+            save(args, argv, results)
         print(f"{label}: {build['n_tokens']} tokens, build {build['seconds']:.0f} s, "
               f"{build['bytes_per_token']:.1f} B/token, peak disk {build['peak_disk_bytes'] / 2**30:.2f} GiB, "
               f"build RssAnon {build['peak_rss_anon_mb']:.0f} MB; search p50 {search['p50_ms']:.1f} ms, "
@@ -231,11 +241,15 @@ def main(argv: list[str]) -> None:
     if args.paired_factor:
         results["paired"] = paired(results["sizes"], args.paired_factor, args.assignment)
     if args.output:
-        sys.path.insert(0, str(HERE))
-        sys.path.insert(0, str(ROOT))
-        from measure import write_results
+        save(args, argv, results)
 
-        write_results(args.output, vars(args), argv, results)
+
+def save(args: argparse.Namespace, argv: list[str], results: dict[str, Any]) -> None:
+    sys.path.insert(0, str(HERE))
+    sys.path.insert(0, str(ROOT))
+    from measure import write_results
+
+    write_results(args.output, vars(args), argv, results)
 
 
 def paired(sizes: dict[str, Any], factor: int, default: str) -> dict[str, Any]:
@@ -243,8 +257,8 @@ def paired(sizes: dict[str, Any], factor: int, default: str) -> dict[str, Any]:
     sys.path.insert(0, str(ROOT))
     from hil.evaluation.statistics import paired_t_test
 
-    exact = sizes[f"x{factor}" + ("" if default == "exact" else "-exact")]["search"]["per_query"]
-    coarse = sizes[f"x{factor}" + ("" if default == "two-level" else "-two-level")]["search"]["per_query"]
+    exact = sizes[f"x{factor}-exact"]["search"]["per_query"]
+    coarse = sizes.get(f"x{factor}-two-level", sizes[f"x{factor}"])["search"]["per_query"]
     out = {}
     for metric in ("ndcg@10", "recall@100"):
         a = {q: v[metric] for q, v in coarse.items()}

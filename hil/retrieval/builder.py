@@ -47,7 +47,7 @@ from hil.retrieval.chunk_codec import ChunkCodec
 from hil.retrieval.chunks import (JOIN_STATE, collect_chunks, encoding_batch_sizes, join_chunks, kill_if_asked,
                                   store_source_chunks)
 from hil.retrieval.compressed_build import CompressedBuild, compressed_as_encoded
-from hil.retrieval.disk_plan import CorpusLengths, check_disk, check_memory, sized_config
+from hil.retrieval.disk_plan import CorpusLengths, check_disk, check_memory, sized_config, stores_token_ids
 from hil.retrieval.encoding import EncodedTokens, eval_mode
 from hil.retrieval.progress import progress_bar
 from hil.retrieval.vector_source import DocumentVectors, EncodedDocuments, VectorSource
@@ -332,7 +332,8 @@ def _build_fp16_first(job: _Build, seconds: StageClock) -> tuple[int, dict[str, 
 
 def _build_compressed(job: _Build, seconds: StageClock) -> tuple[int, dict[str, Any], dict[str, Any], BuildState]:
     """:mod:`hil.retrieval.compressed_build`'s stages for this build; -> as :func:`_build_fp16_first`."""
-    state = BuildState(job.folder, job.state_identity("compressed", backend=job.config.record()))
+    state = BuildState(job.folder, job.state_identity("compressed", backend=job.config.record(),
+                                                      token_ids=stores_token_ids(job.encoder, job.config)))
     state.start()
     dims = {head: int(job.encoder.dim) for head in job.heads}
     if job.vectors is not None:
@@ -346,11 +347,13 @@ def _build_compressed(job: _Build, seconds: StageClock) -> tuple[int, dict[str, 
         return job.encode(dict(job.identity, compression=codec.fingerprint()), codec)
 
     compressed = CompressedBuild(job.folder, state, job.heads, dims, job.doc_ids, job.config, sample_vectors,
-                                 encode_chunks, job.chunk_docs, job.device, job.use_gpu, job.gpu_device, job.progress)
+                                 encode_chunks, job.chunk_docs, job.device, stores_token_ids(job.encoder, job.config),
+                                 job.use_gpu, job.gpu_device, job.progress)
     n_tokens, backend_settings, plan = compressed_build.run(compressed, seconds)
     identity = plan.pop("encoded_identity")
     extra = {"dims": dims, "identity": identity, "batch_sizes": state.done("joined")["batch_sizes"],
-             "build_plan": plan, "sizing_tokens": plan["sizing_tokens"]}
+             "build_plan": plan, "sizing_tokens": plan["sizing_tokens"],
+             "stores_token_ids": stores_token_ids(job.encoder, job.config)}
     return n_tokens, backend_settings, extra, state
 
 

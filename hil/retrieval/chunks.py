@@ -345,8 +345,9 @@ def join_tables(chunks: Path, target: Path, heads: Sequence[str], metas: list[di
                     handle.flush()
                 write_json_atomic(state_path, {"plan": plan, "joined": position + 1})
                 kill_if_asked(f"join-{meta['chunk']}")
-                for table in tables:
-                    paths[table.key].unlink(missing_ok=True)
+                for key, path in paths.items():  # its arrays, joined or not kept (a table left out), go now
+                    if key not in ("lengths", "meta"):
+                        path.unlink(missing_ok=True)
             if progress_bar is not None:
                 progress_bar.update(meta["doc_end"] - meta["doc_start"])
     finally:

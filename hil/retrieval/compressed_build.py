@@ -21,6 +21,8 @@ vectors are stored compressed only (``PlaidIndexConfig(residual_bits=b, keep_emb
 3. **encode and compress** -- every chunk is encoded and stored as codes and residuals (:mod:`hil.retrieval.
    chunk_codec`), on one process or several, resumable chunk by chunk (:mod:`hil.retrieval.chunks`).
 4. **join** -- the chunks' codes, residuals and token ids into the index's arrays, each chunk removed once copied.
+   Token ids are kept only for an encoder whose score reads them (``Encoder.scores_repeated_padding`` False: IDF
+   weights, lexical heads); a pure MaxSim's index stores none, as ColBERTv2's does (``stores_token_ids``).
 5. **inverted file** -- PLAID's centroid -> documents lists, in bounded memory (:func:`hil.retrieval.plaid.
    write_ivf`).
 
@@ -81,7 +83,8 @@ class CompressedBuild:
     """What the stages need: the unfinished folder and its state, the corpus (its size, and its vectors for the
     sample), the settings, and how the chunks get encoded (``encode_chunks(codec)`` encodes every unfinished chunk
     with that compression and returns the chunks' identity; the builder supplies it: one process or several, or a
-    precomputed source)."""
+    precomputed source). ``store_token_ids`` False: the index keeps no token ids (the chunks' are dropped as they
+    are joined), for an encoder whose score reads the vectors alone."""
 
     folder: Path
     state: BuildState
@@ -93,6 +96,7 @@ class CompressedBuild:
     encode_chunks: Callable[[ChunkCodec], dict[str, Any]]
     chunk_docs: int
     engine_device: Any
+    store_token_ids: bool = True
     use_gpu: bool = False
     gpu_device: int = 0
     progress: bool = True
@@ -284,15 +288,16 @@ def load_chunk_codec(job: CompressedBuild, params: dict[str, Any], trained: dict
 # -- 4. join, 5. inverted file ----------------------------------------------------------------------------------------
 
 def compressed_tables(folder: Path, heads: Sequence[str], codec_settings: dict[str, Any], n_centroids: int,
-                      dims: dict[str, int]) -> list[JoinedTable]:
-    """The joined arrays of a compressed-only index: every head's codes and packed residuals, and the token ids."""
+                      dims: dict[str, int], token_ids: bool = True) -> list[JoinedTable]:
+    """The joined arrays of a compressed-only index: every head's codes and packed residuals, and the token ids
+    where they are stored."""
     tables = []
     for head in heads:
         paths = plaid_paths(folder, head)
         packed = dims[head] * int(codec_settings[head]["nbits"]) // 8
         tables += [JoinedTable(f"codes:{head}", paths["codes"], code_dtype(n_centroids)),
                    JoinedTable(f"residuals:{head}", paths["residuals"], np.dtype(np.uint8), (packed,))]
-    return tables + [JoinedTable("token_ids", folder / TOKEN_IDS_NPY, np.dtype(np.int32))]
+    return tables + ([JoinedTable("token_ids", folder / TOKEN_IDS_NPY, np.dtype(np.int32))] if token_ids else [])
 
 
 def _join(job: CompressedBuild, params: dict[str, Any], identity: dict[str, Any]) -> dict[str, Any]:
@@ -301,7 +306,7 @@ def _join(job: CompressedBuild, params: dict[str, Any], identity: dict[str, Any]
     metas = collect_chunks(chunks, job.n_docs, job.chunk_docs, job.heads, identity, compressed=True,
                            arrays=not (job.folder / JOIN_STATE).exists())
     codecs = job.state.done("centroids")["codecs"]
-    tables = compressed_tables(job.folder, job.heads, codecs, params["n_centroids"], job.dims)
+    tables = compressed_tables(job.folder, job.heads, codecs, params["n_centroids"], job.dims, job.store_token_ids)
     bar = progress_bar(job.n_docs, "joining chunks", "doc", enabled=job.progress)
     n_tokens = join_tables(chunks, job.folder, job.heads, metas, tables, compressed=True, remove_joined=True,
                            progress_bar=bar)

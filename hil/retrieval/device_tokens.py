@@ -57,7 +57,7 @@ class DeviceTokens:
         (the :class:`CompressedEmbeddings`, decompressed on the device from rows read on the host)."""
         if name not in self._tables:  # uploaded on first use
             store, device = self.store, self.device
-            array = store.token_ids if name == "token_ids" else store.embeddings[name]
+            array = store.stored_token_ids() if name == "token_ids" else store.embeddings[name]
             if isinstance(array, CompressedEmbeddings):
                 if device.type != "cpu" and _fits(device, 4 * len(array.codes) + array.packed.nbytes):
                     self._tables[name] = ("compressed", (upload_rows(array.codes, np.int32, device),
@@ -82,15 +82,17 @@ class DeviceTokens:
         return table.index_select(0, rows.to(table.device)).to(self.device)  # type: ignore[union-attr]
 
     def gather(self, docs: torch.Tensor, heads: Sequence[str], *, repeat_padding: bool = False,
-               token_ids: bool = True, lengths: tuple[int, int] | None = None) -> EncodedBatch:
+               token_ids: bool | None = None, lengths: tuple[int, int] | None = None) -> EncodedBatch:
         """Documents ``docs`` (N,) int64 as a padded batch on the device: heads (N, Lmax, D) float32, mask, ids.
 
         Padding repeats each document's last row; it is zeroed unless ``repeat_padding`` (then a MaxSim needs no
         mask, :attr:`~hil.modeling.contracts.EncodedBatch.padding_repeats_tokens`, when every document has a token).
-        ``token_ids=False`` reads no token ids (zeros). ``lengths``: the documents' shortest and longest stored
-        length when the caller knows them; else they are read (one pair of scalars crosses to the host).
+        ``token_ids=False`` reads no token ids (zeros); None (default) reads them where the store keeps them.
+        ``lengths``: the documents' shortest and longest stored length when the caller knows them; else they are
+        read (one pair of scalars crosses to the host).
         """
         docs = docs.to(self.device)
+        token_ids = self.store.token_ids is not None if token_ids is None else token_ids
         doc_lengths = self.lengths[docs]
         if lengths is not None:
             shortest, longest = lengths

@@ -102,6 +102,12 @@ def sized_config(config: IndexConfig, encoder: Encoder, n_docs: int,
     return sized, record
 
 
+def stores_token_ids(encoder: Encoder, config: IndexConfig) -> bool:
+    """Whether an index of ``config`` keeps the token ids: always, but in a compressed-as-encoded index of an encoder
+    whose score reads the vectors alone (``scores_repeated_padding``: search never reads its ids)."""
+    return not (compressed_as_encoded(config) and encoder.scores_repeated_padding)
+
+
 def disk_need(encoder: Encoder, config: IndexConfig, doc_ids: Sequence[str], *, tokens_per_doc: float,
               chunk_docs: int = CHUNK_DOCS) -> DiskNeed:
     """The disk a build of this corpus (``tokens_per_doc`` measured, or a bound) and ``config`` (its storage
@@ -115,7 +121,8 @@ def disk_need(encoder: Encoder, config: IndexConfig, doc_ids: Sequence[str], *, 
     structures = heads * backend.structure_bytes(params, n_tokens, n_docs, dim)
     ids = n_docs * (8 + 4 + max((len(d) for d in doc_ids[:1000]), default=8)) + _FIXED_BYTES  # offsets, ids
     if compressed_as_encoded(config):
-        index = structures + n_tokens * _IDS_BYTES + ids  # the codes and residuals are the structures' own
+        kept_ids = _IDS_BYTES if stores_token_ids(encoder, config) else 0
+        index = structures + n_tokens * kept_ids + ids  # the codes and residuals are the structures' own
         chunk = chunk_docs * per_doc * (structures / n_tokens + _IDS_BYTES)
         sample = 2 * heads * min(n_tokens, (_SAMPLE_TOKENS_PER_CENTROID + 1) * params["n_centroids"]) * dim * 2
         peak = index + chunk + sample

@@ -6,7 +6,10 @@ Layout of an index folder ``<dir>``::
                                the seconds of each build stage ("build_seconds")
     doc_ids.json               document ids, in corpus order
     doc_offsets.npy            (n_docs + 1,) int64: document i owns tokens [offsets[i], offsets[i+1])
-    token_ids.npy              (n_tokens,) int32: the vocabulary id of every stored token (for analysis / IDF)
+    token_ids.npy              (n_tokens,) int32: the vocabulary id of every stored token (for scores that read
+                               them: IDF weights, lexical heads); absent from a compressed-as-encoded index of an
+                               encoder whose score reads the vectors alone (``stores_token_ids`` false, as
+                               ColBERTv2 stores none: 4 of its ~40 bytes a token)
     <head>.embeddings.npy      (n_tokens, D) float16, one per encoder head, L2-normalized token vectors
     <head>.faiss               the trained FAISS index of an ``ivfflat`` / ``ivfpq`` index
     <head>.centroids.npy       ``plaid``: (C, D) float32 k-means centroids (hil.retrieval.plaid)
@@ -180,14 +183,15 @@ def _check_fingerprints(directory: Path, meta: dict[str, Any], expected: dict[st
 
 
 def _inconsistencies(meta: dict[str, Any], doc_ids: list[str], doc_offsets: np.ndarray,
-                     embeddings: dict[str, TokenTable], token_ids: np.ndarray) -> list[str]:
+                     embeddings: dict[str, TokenTable], token_ids: np.ndarray | None) -> list[str]:
     """What disagrees between ``index.json``'s counts and the arrays read (empty when all is consistent)."""
     n_tokens = int(meta["n_tokens"])
     problems = []
     if len(doc_ids) != meta["n_docs"] or len(doc_offsets) != meta["n_docs"] + 1:
         problems.append(f"{len(doc_ids)} doc ids / {len(doc_offsets)} offsets for n_docs={meta['n_docs']}")
-    if int(doc_offsets[-1]) != n_tokens or len(token_ids) != n_tokens:
-        problems.append(f"offsets end at {int(doc_offsets[-1])}, {len(token_ids)} token ids, n_tokens={n_tokens}")
+    n_ids = n_tokens if token_ids is None else len(token_ids)
+    if int(doc_offsets[-1]) != n_tokens or n_ids != n_tokens:
+        problems.append(f"offsets end at {int(doc_offsets[-1])}, {n_ids} token ids, n_tokens={n_tokens}")
     problems += [f"{head}.embeddings.npy has shape {array.shape}" for head, array in embeddings.items()
                  if array.shape != (n_tokens, meta["dims"][head])]
     return problems
@@ -197,7 +201,7 @@ class TokenIndex(TokenStore):
     """A finished index folder, its arrays memory-mapped (see the module docstring for the layout)."""
 
     def __init__(self, directory: Path, meta: dict[str, Any], doc_ids: list[str], doc_offsets: np.ndarray,
-                 embeddings: dict[str, TokenTable], token_ids: np.ndarray):
+                 embeddings: dict[str, TokenTable], token_ids: np.ndarray | None):
         super().__init__(doc_ids, doc_offsets, embeddings, token_ids)
         self.directory = directory
         self.meta = meta
@@ -286,7 +290,7 @@ class TokenIndex(TokenStore):
                                       + rebuild_hint(directory)) from error
         doc_offsets = load_npy(directory / DOC_OFFSETS_NPY)
         embeddings = {head: _load_vectors(directory, meta, head, mode) for head in meta["heads"]}
-        token_ids = load_npy(directory / TOKEN_IDS_NPY, mode)
+        token_ids = load_npy(directory / TOKEN_IDS_NPY, mode) if meta.get("stores_token_ids", True) else None
         problems = _inconsistencies(meta, doc_ids, doc_offsets, embeddings, token_ids)
         if problems:
             raise IndexIntegrityError(f"{directory}: inconsistent index files: " + "; ".join(problems) + "; "

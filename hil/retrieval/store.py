@@ -31,11 +31,12 @@ class TokenStore:
     """Documents as flat token arrays: ``embeddings[head]`` (n_tokens, D) and ``doc_offsets`` (n_docs + 1,).
 
     The in-memory form (re-ranking texts encoded on the fly) and the base of
-    :class:`~hil.retrieval.index.TokenIndex`.
+    :class:`~hil.retrieval.index.TokenIndex`. ``token_ids`` (n_tokens,) is None for an index that stores none (a
+    compressed index of an encoder whose score reads the vectors alone): reading them is then refused.
     """
 
     def __init__(self, doc_ids: list[str], doc_offsets: np.ndarray, embeddings: dict[str, TokenTable],
-                 token_ids: np.ndarray):
+                 token_ids: np.ndarray | None):
         self.doc_ids = list(doc_ids)
         self.doc_offsets = np.asarray(doc_offsets, dtype=np.int64)
         self.embeddings = embeddings
@@ -68,9 +69,17 @@ class TokenStore:
         """
         views = self.__dict__.setdefault("_torch_views", {})
         if name not in views:
-            array = self.token_ids if name == "token_ids" else self.embeddings[name]
+            array = self.stored_token_ids() if name == "token_ids" else self.embeddings[name]
             views[name] = host_tensor(array)
         return views[name]
+
+    def stored_token_ids(self) -> np.ndarray:
+        """``token_ids``, refused in one line where none are stored."""
+        if self.token_ids is None:
+            where = getattr(self, "directory", "this token store")
+            raise ValueError(f"{where} stores no token ids (built for an encoder whose score reads the vectors "
+                             "alone): a score that reads token ids needs an index built for it")
+        return self.token_ids
 
     @cached_property
     def doc_lengths(self) -> np.ndarray:
@@ -147,7 +156,7 @@ def padded_rows(doc_offsets: np.ndarray, docs: np.ndarray) -> tuple[torch.Tensor
 
 def gather_documents(store: TokenStore, doc_indices: Sequence[int] | np.ndarray, *,
                      heads: Sequence[str] | None = None, device: torch.device | str | None = None,
-                     repeat_padding: bool = False, token_ids: bool = True) -> EncodedBatch:
+                     repeat_padding: bool = False, token_ids: bool | None = None) -> EncodedBatch:
     """Stored documents as a padded :class:`EncodedBatch`: heads (C, Lmax, D) fp32, mask (C, Lmax), input_ids.
 
     Every stored token takes part in scoring (only scored tokens are stored), so the mask is True exactly on the
@@ -160,8 +169,10 @@ def gather_documents(store: TokenStore, doc_indices: Sequence[int] | np.ndarray,
     (:attr:`hil.modeling.contracts.Encoder.scores_repeated_padding`). Token ids are zeroed either way.
 
     ``token_ids=False``: the token ids are not read (a score that reads the vectors alone); ``input_ids`` is then
-    zeros (one expanded element, no memory).
+    zeros (one expanded element, no memory). None (default): read where the store keeps them; True where it keeps
+    none is refused.
     """
+    token_ids = store.token_ids is not None if token_ids is None else token_ids
     doc_indices = np.asarray(doc_indices, dtype=np.int64)
     rows, mask = padded_rows(store.doc_offsets, doc_indices)
     n, width = mask.shape

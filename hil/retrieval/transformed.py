@@ -423,6 +423,7 @@ def _derive(base: TokenIndex, encoder: TransformedEncoder, directory: Path, bloc
     missing = [head for head in encoder.head_names if head not in base.embeddings]
     if missing:
         raise ValueError(f"{base.directory}: no stored vectors for head(s) {missing}")
+    base.stored_token_ids()  # a base that stores none is refused before any work
     work = directory.with_name(directory.name + ".tmp-derive")
     if work.exists():
         shutil.rmtree(work)
@@ -446,7 +447,7 @@ def _derive(base: TokenIndex, encoder: TransformedEncoder, directory: Path, bloc
         target.flush()
         del target
         dims[head] = dim
-    save_npy_atomic(work / TOKEN_IDS_NPY, np.asarray(base.token_ids))
+    save_npy_atomic(work / TOKEN_IDS_NPY, np.asarray(base.stored_token_ids()))
     save_npy_atomic(work / DOC_OFFSETS_NPY, np.asarray(base.doc_offsets))
     write_json_atomic(work / DOC_IDS_JSON, list(base.doc_ids))
     encoder.save_transforms(work)
