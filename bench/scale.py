@@ -3,22 +3,31 @@
     python bench/scale.py --factors 1,16,64,256 --output bench/results/scale.json
 
 A base index of SciFact (fp16 vectors, encoded once under ``--work``) is tiled ``factor`` times by
-:class:`hil.retrieval.vector_source.TiledVectors`: the original documents keep their ids and judgments, every other
-copy is turned by its own fixed random rotation, so copies are distractors with the base's statistics, not ties.
+:class:`hil.retrieval.vector_source.TiledVectors`: the original documents keep their ids and judgments; every other
+copy is made distinct by ``--tiling``: ``shuffle`` (default: each copy's documents are bags of the base's tokens, a
+seeded permutation per copy, so the corpus grows as a corpus of that domain does) or ``rotation`` (each copy turned
+by a fixed random rotation: never a competitor, but each copy a cloud of its own, quantized ever more coarsely).
 ``build_index(..., vectors=tiled)`` then builds the compressed-as-encoded PLAID index (2-bit residuals, no fp16
-kept) exactly as it builds a real corpus, minus the encoder. Per factor, each in a child process of its own:
+kept) exactly as it builds a real corpus, minus the encoder. Per factor, each in a child process of its own, every
+build from an empty folder:
 
 - build: seconds per stage (``index.json``'s ``build_seconds``), the peak disk of the build's folder (finished and
   unfinished, polled every ``--poll`` seconds), the peak anonymous memory of the build's process tree (``RssAnon``
   of /proc: file pages of memory maps apart), bytes per token, the plan (centroids, assignment, sample);
 - search: the original queries, one at a time (query encoding included): p50/p95 ms, nDCG@10 and recall@100, and
-  the search process's peak ``RssAnon`` (polled the same way).
+  the search process's peak ``RssAnon`` (polled the same way), with PLAID's defaults for ``--k`` and with each of
+  ``--other-search``'s settings; and what compression allows: exact MaxSim of every query against the original
+  documents read from the stored codes and residuals (``exact_over_originals``; with copies that rarely outrank
+  an original, a drop from it to the search's figure is candidate generation's).
+
+``--distractor-factor`` checks that premise: every copy of that tiling scored exactly against every query, how often
+a copy outranks the best relevant original or the 10th original.
 
 At each of ``--agreement-factors``, the tokens of ``--agreement-docs`` documents drawn from the tiled corpus are
 assigned exactly (brute force over the index's centroids) and compared with the codes the index stores (two-level
-on a CPU from 2^15 centroids): the share given the same centroid. ``--paired-factor`` builds that size with ``assignment`` exact too (and two-level, unless
-the default build of that size was two-level already) and compares nDCG@10 and recall@100 per query (paired t-test,
-:mod:`hil.evaluation.statistics`).
+on a CPU from 2^15 centroids): the share given the same centroid. ``--paired-factor`` builds that size with
+``assignment`` exact too (and two-level, unless the default build of that size was two-level already) and compares
+nDCG@10 and recall@100 per query (paired t-test, :mod:`hil.evaluation.statistics`).
 
 This file imports nothing from ``hil`` in the parent; figures are taken one child at a time (run it on an idle
 machine: two cores are easily saturated).
@@ -63,7 +72,7 @@ elif spec["step"] == "build":
     from hil.retrieval.builder import build_index
     from hil.retrieval.vector_source import TiledVectors
     base = TokenIndex.load(spec["base"])
-    tiled = TiledVectors(base, spec["factor"], seed=spec["seed"])
+    tiled = TiledVectors(base, spec["factor"], seed=spec["seed"], tiling=spec["tiling"])
     config = PlaidIndexConfig(residual_bits=spec["bits"], keep_embeddings=False, **spec["plaid"])
     tick = time.perf_counter()
     index = build_index(encoder, tiled.doc_ids(), None, spec["index"], vectors=tiled, backend=config,
@@ -76,32 +85,52 @@ elif spec["step"] == "build":
            "files": {p.name: p.stat().st_size for p in sorted(index.directory.iterdir())}}
 elif spec["step"] == "search":
     from hil.evaluation.evaluate import score_run
+    from hil.retrieval.backends.configs import PlaidSearchConfig
+    from hil.retrieval.encoding import eval_mode
     from hil.retrieval.full_ranking import full_rank
+    from hil.retrieval.search import score_documents
     index = TokenIndex.load(spec["index"])
     queries = {q: dataset.queries[q] for q in dataset.queries if q in dataset.qrels}
     if spec["queries"]:  # the judged queries searched, and only theirs scored (an unsearched query would count 0)
         queries = dict(list(queries.items())[: spec["queries"]])
         dataset = dataclasses.replace(dataset, qrels={q: dataset.qrels[q] for q in queries})
-    first = next(iter(queries))
-    full_rank(encoder, index, {first: queries[first]}, k=spec["k"], batch_size=1, progress=False)  # warm-up
-    run, times = {}, []
-    for qid, text in queries.items():
-        tick = time.perf_counter()
-        result = full_rank(encoder, index, {qid: text}, k=spec["k"], batch_size=1, progress=False)
-        times.append(1000.0 * (time.perf_counter() - tick))
-        run.update(result.run)
-    evaluation = score_run("scale", dataset, run, metrics=("ndcg@10", "recall@100"))
-    out = {"p50_ms": float(np.percentile(times, 50)), "p95_ms": float(np.percentile(times, 95)),
-           "n_queries": len(times), "ndcg@10": float(evaluation.aggregate["ndcg@10"]),
-           "recall@100": float(evaluation.aggregate["recall@100"]),
-           "per_query": {q: {m: float(v[m]) for m in ("ndcg@10", "recall@100")}
-                         for q, v in evaluation.per_query.items()},
-           "search_stats": {k: v for k, v in result.stats.items() if isinstance(v, (int, float, str))}}
+    metrics = ("ndcg@10", "recall@100")
+
+    def searched(search):
+        first = next(iter(queries))
+        full_rank(encoder, index, {first: queries[first]}, k=spec["k"], search=search, batch_size=1,
+                  progress=False)  # warm-up
+        run, times = {}, []
+        for qid, text in queries.items():
+            tick = time.perf_counter()
+            result = full_rank(encoder, index, {qid: text}, k=spec["k"], search=search, batch_size=1,
+                               progress=False)
+            times.append(1000.0 * (time.perf_counter() - tick))
+            run.update(result.run)
+        evaluation = score_run("scale", dataset, run, metrics=metrics)
+        return {"p50_ms": float(np.percentile(times, 50)), "p95_ms": float(np.percentile(times, 95)),
+                "n_queries": len(times), **{m: float(evaluation.aggregate[m]) for m in metrics},
+                "per_query": {q: {m: float(v[m]) for m in metrics} for q, v in evaluation.per_query.items()},
+                "search_stats": {k: v for k, v in result.stats.items() if isinstance(v, (int, float, str))}}
+
+    out = searched(None)  # the defaults for depth k
+    out["other_settings"] = {json.dumps(s, sort_keys=True): searched(PlaidSearchConfig(**s)) for s in spec["other"]}
+    # What compression alone allows: exact MaxSim of every query against the original documents (copy 0, rows
+    # 0..n-1), read from the stored codes and residuals; the rotated copies never outrank them (bench/README.md).
+    n_original = index.meta["vector_source"]["base_n_docs"]
+    qids = list(queries)
+    with eval_mode(encoder), torch.no_grad():
+        encoded = encoder.encode_queries([queries[q] for q in qids])
+    scores = score_documents(encoder, encoded, index, np.arange(n_original))
+    run = {q: {index.doc_ids[j]: float(scores[i, j]) for j in np.argsort(-scores[i], kind="stable")[: spec["k"]]}
+           for i, q in enumerate(qids)}
+    exact = score_run("exact", dataset, run, metrics=metrics)
+    out["exact_over_originals"] = {m: float(exact.aggregate[m]) for m in metrics}
 elif spec["step"] == "agreement":
     from hil.retrieval.vector_source import TiledVectors
     base = TokenIndex.load(spec["base"])
     index = TokenIndex.load(spec["index"])
-    tiled = TiledVectors(base, spec["factor"], seed=spec["seed"])
+    tiled = TiledVectors(base, spec["factor"], seed=spec["seed"], tiling=spec["tiling"])
     rng = np.random.default_rng(spec["seed"])
     rows = np.sort(rng.choice(tiled.n_docs, size=min(tiled.n_docs, spec["agreement_docs"]), replace=False))
     encoded = tiled.vectors(rows)
@@ -115,6 +144,42 @@ elif spec["step"] == "agreement":
         exact = torch.cat([(block @ centroids.T).argmax(1) for block in vectors.split(4096)]).numpy()
         out[head] = {"tokens": int(len(exact)), "same_centroid": float((exact == stored).mean()),
                      "n_centroids": int(len(centroids))}
+elif spec["step"] == "distractors":
+    # Every copy of every document scored exactly. A rotated copy d R_r scores MaxSim(q R_r^T, d): the base searched
+    # with the queries turned back; a shuffled copy is read from the tiling, one copy of the corpus at a time.
+    from hil.retrieval.encoding import eval_mode
+    from hil.retrieval.search import score_documents
+    from hil.retrieval.store import TokenStore
+    from hil.retrieval.vector_source import TiledVectors
+    base = TokenIndex.load(spec["base"])
+    tiled = TiledVectors(base, spec["factor"], seed=spec["seed"], tiling=spec["tiling"])
+    qids = [q for q in dataset.queries if q in dataset.qrels][: spec["queries"] or None]
+    with eval_mode(encoder), torch.no_grad():
+        encoded = encoder.encode_queries([dataset.queries[q] for q in qids])
+    rows = np.arange(base.n_docs)
+    original = score_documents(encoder, encoded, base, rows)  # (Q, n)
+    position = {d: i for i, d in enumerate(base.doc_ids)}
+    best_relevant = np.array([max(original[i, position[d]] for d, g in dataset.qrels[q].items()
+                                  if g > 0 and d in position) for i, q in enumerate(qids)])
+    tenth = np.sort(original, axis=1)[:, -10]
+    best_copy = np.full(len(qids), -np.inf)
+    above = np.zeros(len(qids))
+    for copy in range(1, spec["factor"]):
+        if spec["tiling"] == "rotation":
+            turned = {h: v @ tiled.rotation(copy).T for h, v in encoded.heads.items()}
+            scores = score_documents(encoder, dataclasses.replace(encoded, heads=turned), base, rows)
+        else:
+            read = tiled.vectors(rows + copy * base.n_docs)
+            store = TokenStore(base.doc_ids, base.doc_offsets, read.embeddings, read.token_ids)
+            scores = score_documents(encoder, encoded, store, rows)
+        best_copy = np.maximum(best_copy, scores.max(1))
+        above += (scores > best_relevant[:, None]).sum(1)
+    out = {"factor": spec["factor"], "tiling": spec["tiling"], "queries": len(qids),
+           "share_of_queries_a_copy_beats_the_best_relevant": float((best_copy > best_relevant).mean()),
+           "copies_above_the_best_relevant_per_query": float(above.mean()),
+           "share_of_queries_a_copy_beats_the_10th_original": float((best_copy > tenth).mean()),
+           "mean_best_relevant_score": float(best_relevant.mean()), "mean_10th_score": float(tenth.mean()),
+           "mean_best_copy_score": float(best_copy.mean())}
 print("RESULT " + json.dumps(out))
 """
 
@@ -188,15 +253,23 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--work", default=str(HERE / "work" / "scale"))
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=12345)
+    parser.add_argument("--tiling", default="shuffle", choices=("shuffle", "rotation"),
+                        help="how copies are made distinct (hil.retrieval.vector_source.TiledVectors)")
     parser.add_argument("--bits", type=int, default=2)
     parser.add_argument("--chunk-docs", type=int, default=8192)
     parser.add_argument("--queries", type=int, default=0, help="judged queries searched (0: all)")
     parser.add_argument("--k", type=int, default=100)
+    parser.add_argument("--other-search", default='[{"nprobe": 4, "ndocs": 1024, "stage2_docs": 4096}]',
+                        help="JSON list of PlaidSearchConfig settings searched beside the defaults for k")
     parser.add_argument("--assignment", default="auto", choices=("auto", "exact", "two-level"))
     parser.add_argument("--paired-factor", type=int, default=0, help="build this size exact and two-level (0: no)")
     parser.add_argument("--agreement-docs", type=int, default=2000, help="documents checked against exact codes")
     parser.add_argument("--agreement-factors", default="16,256",
                         help="sizes (of --factors) whose stored codes are checked against exact assignment")
+    parser.add_argument("--distractor-factor", type=int, default=0,
+                        help="score every copy of this tiling exactly: do the copies ever outrank the originals?")
+    parser.add_argument("--plaid", default="{}", help="more PlaidIndexConfig settings (JSON), e.g. n_centroids")
+    parser.add_argument("--tag", default="", help="appended to every size's label (runs with other settings)")
     parser.add_argument("--poll", type=float, default=1.0)
     parser.add_argument("--keep", action="store_true", help="keep each tiled index after it is measured")
     parser.add_argument("--progress", action="store_true")
@@ -207,7 +280,8 @@ def main(argv: list[str]) -> None:
     common = {"threads": args.threads, "seed": args.seed, "model": args.model, "doc_maxlen": args.doc_maxlen,
               "dataset": args.dataset, "split": args.split, "base": str(work / "base"), "bits": args.bits,
               "chunk_docs": args.chunk_docs, "queries": args.queries, "k": args.k, "progress": args.progress,
-              "agreement_docs": args.agreement_docs}
+              "agreement_docs": args.agreement_docs, "other": json.loads(args.other_search),
+              "tiling": args.tiling}
     results: dict[str, Any] = {"base": child({**common, "step": "base"}, [], args.poll), "sizes": {}}
     print(f"base: {results['base']['n_tokens']} tokens", flush=True)
     plans = [(int(f), args.assignment) for f in args.factors.split(",") if f]
@@ -217,11 +291,13 @@ def main(argv: list[str]) -> None:
         default = results["sizes"].get(f"x{factor}")
         if assignment == "two-level" and default and default["build"]["params"]["assignment"] == "two-level":
             continue  # the default build of this size is the two-level one
-        label = f"x{factor}" + ("" if assignment == args.assignment else f"-{assignment}")
+        label = f"x{factor}" + ("" if assignment == args.assignment else f"-{assignment}") + args.tag
         folder = work / label
         index = folder / "index"
-        plaid = {} if assignment == "auto" else {"assignment": assignment}
+        plaid = {**json.loads(args.plaid), **({} if assignment == "auto" else {"assignment": assignment})}
         spec = {**common, "factor": factor, "index": str(index), "plaid": plaid}
+        import shutil
+        shutil.rmtree(folder, ignore_errors=True)  # a build measured whole: nothing resumed from an earlier run
         build = child({**spec, "step": "build"}, [folder], args.poll)
         search = child({**spec, "step": "search"}, [], args.poll)
         entry = {"factor": factor, "assignment": assignment, "build": build, "search": search}
@@ -234,12 +310,18 @@ def main(argv: list[str]) -> None:
         print(f"{label}: {build['n_tokens']} tokens, build {build['seconds']:.0f} s, "
               f"{build['bytes_per_token']:.1f} B/token, peak disk {build['peak_disk_bytes'] / 2**30:.2f} GiB, "
               f"build RssAnon {build['peak_rss_anon_mb']:.0f} MB; search p50 {search['p50_ms']:.1f} ms, "
-              f"nDCG@10 {search['ndcg@10']:.4f}, RssAnon {search['peak_rss_anon_mb']:.0f} MB", flush=True)
+              f"nDCG@10 {search['ndcg@10']:.4f}, RssAnon {search['peak_rss_anon_mb']:.0f} MB; "
+              + "; ".join(f"{k}: p50 {v['p50_ms']:.1f} ms, nDCG@10 {v['ndcg@10']:.4f}"
+                          for k, v in search["other_settings"].items())
+              + f"; exact over the originals nDCG@10 {search['exact_over_originals']['ndcg@10']:.4f}", flush=True)
         if not args.keep:
-            import shutil
             shutil.rmtree(folder, ignore_errors=True)
     if args.paired_factor:
         results["paired"] = paired(results["sizes"], args.paired_factor, args.assignment)
+    if args.distractor_factor:
+        results["distractors"] = child({**common, "step": "distractors", "factor": args.distractor_factor}, [],
+                                       args.poll)
+        print("distractors:", json.dumps(results["distractors"]), flush=True)
     if args.output:
         save(args, argv, results)
 

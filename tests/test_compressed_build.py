@@ -131,6 +131,38 @@ def test_a_large_corpus_samples_part_of_it_and_holds_out_the_bucket_tokens(hf_to
     assert abs(plan["n_tokens_estimate"] - index.n_tokens) < 0.25 * index.n_tokens
 
 
+def test_the_sampling_bar_ends_where_the_sample_will_be_covered(hf_tokenizer, tmp_path, monkeypatch):
+    """Its ETA: after each block the bar's end is the documents that should cover what is wanted, not every drawn
+    document (drawing stops there)."""
+    monkeypatch.setattr(compressed_build, "CODEC_SAMPLE", 100)
+    totals = []
+
+    class Recording:  # the bar, its end recorded at every redraw the build asks for
+        def __init__(self, bar):
+            self.bar = bar
+
+        def __getattr__(self, name):
+            return getattr(self.bar, name)
+
+        def __setattr__(self, name, value):
+            setattr(self.bar, name, value) if name != "bar" else object.__setattr__(self, name, value)
+
+        def refresh(self):
+            totals.append(self.bar.total)
+
+    real = compressed_build.progress_bar
+    monkeypatch.setattr(compressed_build, "progress_bar", lambda total, desc, *a, **k: (
+        Recording(real(total, desc, *a, **k)) if desc == "sampling documents" else real(total, desc, *a, **k)))
+    ids, texts = toy_corpus(400)
+    config = PlaidIndexConfig(n_centroids=8, train_size=200, residual_bits=2, keep_embeddings=False)
+    index = build_index(make_encoder(hf_tokenizer), ids, texts, tmp_path / "idx", backend=config, chunk_docs=16,
+                        progress=False)
+    plan = index.meta["build_plan"]
+    assert plan["sampled_docs"] < plan["drawn_docs"] == 400 and totals
+    assert all(total < plan["drawn_docs"] for total in totals), "never every drawn document"
+    assert abs(totals[-1] - plan["sampled_docs"]) <= 16, "the last end shown was within a block of the stop"
+
+
 # -- crashes: a real process killed at every stage ------------------------------------------------------------------
 
 BUILDER = r"""
@@ -188,6 +220,8 @@ def test_a_build_killed_at_any_stage_resumes_to_the_same_index(step, left, hf_to
     unfinished = directory.with_name("idx.tmp-build")
     assert not directory.exists() and (unfinished / left).is_file(), sorted(
         str(p.relative_to(unfinished)) for p in unfinished.rglob("*"))
+    if step != "sampled":  # the disk is the index's once k-means is done
+        assert not list(unfinished.glob("*sample*")), sorted(p.name for p in unfinished.iterdir())
     stored = []
     real = compressed_build.run
     if step in ("joined", "sealed", "join-2"):  # encoding finished before the kill: the rerun encodes nothing

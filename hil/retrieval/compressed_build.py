@@ -13,7 +13,7 @@ vectors are stored compressed only (``PlaidIndexConfig(residual_bits=b, keep_emb
    The corpus's size is estimated from them (ColBERTv2's ``num_embeddings_est = N * avg_doclen_est``) and the
    number of centroids chosen from the estimate by ColBERTv2's rule (``2 ** floor(log2(16 sqrt(est)))``). The
    sample is kept on disk (``sample.<head>.npy``, fp16): k-means reads it as a memory map, so the build's own memory
-   does not grow with it.
+   does not grow with it; it is removed once the centroids and buckets are trained (its only readers).
 2. **centroids** -- k-means on ``train_size`` of the sampled tokens (exact or two-level: ``assignment``), then the
    residual buckets (:func:`~hil.retrieval.codec.fit_residual_codec`) on the other sampled tokens, as ColBERTv2's
    ``_compute_avg_residual`` fits them on a held-out part of its sample (at most 65,536 tokens here; when the
@@ -113,6 +113,7 @@ def run(job: CompressedBuild, clock: Any) -> tuple[int, dict[str, Any], dict[str
     clock.stage("sample")
     kill_if_asked("sampled")
     trained = job.state.done("centroids") or _train(job, sample)
+    _remove_sample(job)  # k-means and the buckets were its only readers: the disk is the index's from here
     clock.stage("kmeans")
     kill_if_asked("trained")
     joined = job.state.done("joined")
@@ -127,7 +128,6 @@ def run(job: CompressedBuild, clock: Any) -> tuple[int, dict[str, Any], dict[str
     kill_if_asked("joined")
     ivf = job.state.done("ivf") or _inverted_files(job, sample["params"], joined["n_tokens"])
     clock.stage("inverted_file")
-    _remove_sample(job)
     params = dict(sample["params"])
     codecs = {head: {**trained["codecs"][head], "assignment": trained["assignments"][head]} for head in job.heads}
     backend = {"kind": PlaidBackend.kind, "params": params, "factory": PlaidBackend.factory(params),
@@ -162,8 +162,13 @@ def _draw_sample(job: CompressedBuild) -> dict[str, Any]:
             n_docs += len(block)
             bar.update(len(block))
             params = _resolved(job, max(1, round(job.n_docs * n_tokens / n_docs)), dim)
-            if n_tokens >= params["train_size"] + CODEC_SAMPLE:
+            wanted = params["train_size"] + CODEC_SAMPLE
+            if n_tokens >= wanted:
+                bar.total = n_docs
                 break
+            # The bar's end (and so its ETA): the documents that should cover what is still wanted, not all drawn
+            bar.total = min(len(rows), n_docs + math.ceil((wanted - n_tokens) * n_docs / max(n_tokens, 1)))
+            bar.refresh()
     finally:
         bar.close()
         for handle in handles.values():

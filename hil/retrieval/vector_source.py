@@ -74,24 +74,39 @@ def random_rotation(dim: int, seed: int) -> np.ndarray:
     return q * np.sign(np.diag(r))[None, :]
 
 
+TILINGS = ("shuffle", "rotation")
+
+
 class TiledVectors:
     """A corpus ``factor`` times as large as ``base`` (a :class:`~hil.retrieval.store.TokenStore`, e.g. an opened
     index of fp16 vectors), for scale benchmarks: copy ``r`` of document ``d`` is row ``r * n + d`` with id
-    ``d`` for ``r = 0`` (the original documents keep their ids, and so their judgments) and ``d#r`` after.
+    ``d`` for ``r = 0`` (the original documents keep their ids, and so their judgments) and ``d#r`` after. Copy 0
+    is the base itself; how a copy ``r >= 1`` is made distinct is the ``tiling``:
 
-    Copy 0 is the base itself; copy ``r >= 1`` has every token vector turned by one fixed random rotation
-    (:func:`random_rotation` of ``seed + r``), shared by all heads' vectors of that copy and applied in fp32, then
-    rounded to fp16. A rotation keeps the lengths and the geometry within a copy (so its documents are as clustered
-    as the originals) but moves the copy elsewhere on the sphere: its documents are distractors with the base's
-    statistics, not ties with the originals. Token ids and lengths repeat the base's.
+    - ``shuffle`` (default): its documents are bags of the base's tokens: copy r of d holds, at each of d's token
+      positions, the base token at ``perm_r[offsets[d] + j]`` for a seeded permutation ``perm_r`` of all base
+      token rows (vectors and ids together). Every copy draws from the base's own token distribution, so the
+      corpus grows as a real corpus of that domain does: its centroids get denser in the same space, its inverted
+      lists longer. A bag matches a query only by chance, so it is a distractor, not a tie (``bench/scale.py``
+      checks how often one outranks a relevant original).
+    - ``rotation``: every token vector turned by one fixed random rotation per copy (:func:`random_rotation` of
+      ``seed + r``, applied in fp32, rounded to fp16). A rotation keeps a copy's geometry but moves it elsewhere on
+      the sphere: its documents never outrank the originals, but each copy is a cloud of its own, so C centroids
+      are shared by ``factor`` clouds and every copy is quantized more coarsely as the factor grows, unlike a real
+      corpus (``bench/README.md``).
+
+    Token ids and lengths follow the tokens.
     """
 
-    def __init__(self, base: Any, factor: int, seed: int = 0):
+    def __init__(self, base: Any, factor: int, seed: int = 0, tiling: str = "shuffle"):
         if factor < 1:
             raise ValueError(f"factor must be >= 1 (got {factor})")
+        if tiling not in TILINGS:
+            raise ValueError(f"tiling must be one of {TILINGS} (got {tiling!r})")
         self.base = base
         self.factor = int(factor)
         self.seed = int(seed)
+        self.tiling = tiling
         self._rotations: dict[int, torch.Tensor] = {}
 
     @property
@@ -112,6 +127,10 @@ class TiledVectors:
             self._rotations[copy] = torch.from_numpy(random_rotation(dim, self.seed + copy).astype(np.float32))
         return self._rotations[copy]
 
+    def permutation(self, copy: int) -> np.ndarray:
+        """The seeded permutation of the base's token rows that copy ``copy`` draws its tokens from, (n_tokens,)."""
+        return np.random.default_rng((self.seed, copy)).permutation(self.base.n_tokens)
+
     def token_lengths(self, rows: np.ndarray) -> np.ndarray:
         return self.base.doc_lengths[np.asarray(rows, dtype=np.int64) % self.base.n_docs]
 
@@ -124,25 +143,33 @@ class TiledVectors:
         token_rows = np.repeat(offsets[base_rows] - np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths) + \
             np.arange(int(lengths.sum()))
         token_copy = np.repeat(copies, lengths)
+        if self.tiling == "shuffle":  # each copy's positions read its permutation of the base's rows
+            for copy in np.unique(token_copy):
+                if copy:
+                    where = token_copy == copy
+                    token_rows[where] = self.permutation(int(copy))[token_rows[where]]
         embeddings = {}
         for head in self.head_names:
-            vectors = np.asarray(self.base.embeddings[head][token_rows], dtype=np.float16)
-            for copy in np.unique(token_copy):
-                if copy == 0:
-                    continue
-                where = token_copy == copy
-                turned = torch.from_numpy(vectors[where].astype(np.float32)) @ self.rotation(int(copy))
-                vectors[where] = turned.numpy().astype(np.float16)
+            vectors = np.asarray(self.base.embeddings[head][np.sort(token_rows)][np.argsort(np.argsort(token_rows))]
+                                 if self.tiling == "shuffle" else self.base.embeddings[head][token_rows],
+                                 dtype=np.float16)
+            if self.tiling == "rotation":
+                for copy in np.unique(token_copy):
+                    if copy == 0:
+                        continue
+                    where = token_copy == copy
+                    turned = torch.from_numpy(vectors[where].astype(np.float32)) @ self.rotation(int(copy))
+                    vectors[where] = turned.numpy().astype(np.float16)
             embeddings[head] = vectors
         token_ids = np.asarray(self.base.token_ids[token_rows], dtype=np.int32)
         return EncodedTokens(embeddings, token_ids, lengths.astype(np.int64))
 
     def fingerprint(self) -> str:
         base = getattr(self.base, "corpus_fingerprint", None) or fingerprint_strings(self.base.doc_ids)
-        return fingerprint_strings([base, "tiled", str(self.factor), "rotation", str(self.seed)])
+        return fingerprint_strings([base, "tiled", str(self.factor), self.tiling, str(self.seed)])
 
     def record(self) -> dict[str, Any]:
-        return {"kind": "tiled", "factor": self.factor, "rotation_seed": self.seed,
+        return {"kind": "tiled", "factor": self.factor, "tiling": self.tiling, "seed": self.seed,
                 "base": str(getattr(self.base, "directory", "")) or None,
                 "base_corpus_fingerprint": getattr(self.base, "corpus_fingerprint", None),
                 "base_n_docs": self.base.n_docs, "base_n_tokens": self.base.n_tokens}

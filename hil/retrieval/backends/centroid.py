@@ -11,6 +11,7 @@ index.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -36,8 +37,18 @@ CODEC_SAMPLE = 1 << 16
 # assignment "auto": two-level on a CPU build from this many centroids (SciFact x16's 2^15: exact assignment of its
 # 13M tokens took ~12 minutes here, of MS MARCO's 633M to 2^18 it would take days; bench/README.md).
 TWO_LEVEL_MIN_CENTROIDS = 1 << 15
-# Groups probed per token by a two-level assignment unless assignment_nprobe says otherwise (bench/README.md).
+# Groups probed per token by a two-level assignment unless assignment_nprobe says otherwise: at least
+# TWO_LEVEL_NPROBE, and TWO_LEVEL_PROBED_SHARE of the round(sqrt(C)) groups, so that the share of centroids a token
+# is compared with stays put as C grows (measured on SciFact tiled, bench/README.md: with 8 groups agreement with
+# exact assignment fell from 91% at 2^15 centroids to 71% at 2^17; 16 groups there: 82%, 32: 90%, each costing
+# ~0.6 us a token more on 2 cores).
 TWO_LEVEL_NPROBE = 8
+TWO_LEVEL_PROBED_SHARE = 0.045
+
+
+def two_level_nprobe(n_centroids: int) -> int:
+    """The default groups probed per token for ``n_centroids`` (see :data:`TWO_LEVEL_PROBED_SHARE`)."""
+    return max(TWO_LEVEL_NPROBE, math.ceil(TWO_LEVEL_PROBED_SHARE * max(1, round(n_centroids ** 0.5))))
 
 
 def _check_plaid_params(resolved: dict[str, Any], n_tokens: int, dim: int) -> None:
@@ -104,7 +115,7 @@ class PlaidBackend(SearchBackend):
         kmeans_engine`), what ``index.json`` records: ``assignment: auto`` is ``two-level`` for a build without a
         GPU and at least :data:`TWO_LEVEL_MIN_CENTROIDS` centroids, else ``exact``; ``two-level`` runs our torch
         k-means (``kmeans: torch``, with ``auto`` asked; an explicit ``faiss`` is refused with it) and takes
-        :data:`TWO_LEVEL_NPROBE` groups per token unless ``assignment_nprobe`` says otherwise."""
+        :func:`two_level_nprobe` groups per token unless ``assignment_nprobe`` says otherwise."""
         engine = kmeans_engine(params["kmeans"], device, use_gpu=use_gpu, gpu_device=gpu_device)
         on_gpu = engine.faiss_gpu is not None or engine.device.type != "cpu"
         assignment = params.get("assignment", "exact")
@@ -116,7 +127,8 @@ class PlaidBackend(SearchBackend):
                                 "kmeans='faiss' cannot be honoured with it (use kmeans='auto' or 'torch')")
             engine = kmeans_engine("torch", device, use_gpu=use_gpu, gpu_device=gpu_device)
         nprobe = params.get("assignment_nprobe", "auto")
-        nprobe = (TWO_LEVEL_NPROBE if nprobe == "auto" else int(nprobe)) if assignment == "two-level" else None
+        nprobe = (two_level_nprobe(params["n_centroids"]) if nprobe == "auto" else int(nprobe)) \
+            if assignment == "two-level" else None
         return dict(params, kmeans=engine.name, assignment=assignment, assignment_nprobe=nprobe)
 
     @classmethod
