@@ -154,29 +154,43 @@ def encode_rate(model: str, data_dir: Path, n_docs: int, threads: int) -> dict[s
             "load_average_before": list(os.getloadavg())}
 
 
+def dots_per_token(n_centroids: int) -> float:
+    """Centroid products a token costs in a two-level assignment: the round(sqrt(C)) groups, then the members of
+    the groups probed (hil.retrieval.backends.centroid.two_level_nprobe)."""
+    from hil.retrieval.backends.centroid import two_level_nprobe
+
+    groups = max(1, round(n_centroids ** 0.5))
+    return groups + two_level_nprobe(n_centroids) * n_centroids / groups
+
+
 def stage_rates(scale: dict[str, Any]) -> dict[str, Any]:
-    """Per-token seconds of the index stages at the largest size of ``bench/scale.py``'s results, k-means per
-    (centroid x sampled token), the IVF entries per token and the peak/final disk at every size."""
-    sizes = {label: entry for label, entry in scale["results"]["sizes"].items() if "-" not in label}
-    largest = max(sizes.values(), key=lambda e: e["build"]["n_tokens"])
-    build = largest["build"]
-    n = build["n_tokens"]
-    seconds = build["build_seconds"]
-    plan = build["build_plan"]
-    params = build["params"]
-    per_size = {}
+    """The index stages' costs from ``bench/scale.py``'s sizes (default builds only): the encode-and-compress stage
+    per token as ``a + b * dots_per_token(C)`` (least squares over the sizes with two-level assignment: the
+    assignment's centroid products plus a fixed cost a token), k-means per ``train_tokens * sqrt(C)`` (two-level:
+    each sampled point scores the coarse and then its cluster's centroids), sampling, join and inverted file per
+    token (at the largest size); the IVF entries per token, bytes per token, peak/final disk and memory at each."""
+    sizes = {label: entry for label, entry in scale["results"]["sizes"].items() if label == f"x{entry['factor']}"}
+    per_size, fit_x, fit_y = {}, [], []
     for label, entry in sizes.items():
         b = entry["build"]
-        entries = sum(b["build_plan"]["inverted_file"]["entries"].values()) / b["n_tokens"]
-        per_size[label] = {"n_tokens": b["n_tokens"], "n_centroids": b["params"]["n_centroids"],
-                           "ivf_entries_per_token": entries, "bytes_per_token": b["bytes_per_token"],
-                           "peak_over_final": b["peak_disk_bytes"] / b["disk_bytes"],
-                           "build_rss_anon_mb": b["peak_rss_anon_mb"], "n_docs": b["n_docs"],
-                           "search_rss_anon_mb": entry["search"]["peak_rss_anon_mb"]}
-    return {"from": f"x{largest['factor']}", "n_tokens": n, "n_centroids": params["n_centroids"],
-            "kmeans_s_per_centroid_token": seconds["kmeans"] / (params["n_centroids"] * plan["train_tokens"]),
+        n, c = b["n_tokens"], b["params"]["n_centroids"]
+        per_size[label] = {"n_tokens": n, "n_docs": b["n_docs"], "n_centroids": c,
+                           "assignment": b["params"]["assignment"],
+                           "ivf_entries_per_token": sum(b["build_plan"]["inverted_file"]["entries"].values()) / n,
+                           "bytes_per_token": b["bytes_per_token"], "peak_over_final": b["peak_disk_bytes"] / b["disk_bytes"],
+                           "build_rss_anon_mb": b["peak_rss_anon_mb"], "search_rss_anon_mb": entry["search"]["peak_rss_anon_mb"],
+                           "encode_s_per_token": b["build_seconds"]["encode"] / n}
+        if b["params"]["assignment"] == "two-level":
+            fit_x.append(dots_per_token(c))
+            fit_y.append(per_size[label]["encode_s_per_token"])
+    a, b_dot = np.linalg.lstsq(np.stack([np.ones(len(fit_x)), fit_x], axis=1), np.array(fit_y), rcond=None)[0]
+    largest = max(sizes.values(), key=lambda e: e["build"]["n_tokens"])
+    build = largest["build"]
+    n, c, plan, seconds = build["n_tokens"], build["params"]["n_centroids"], build["build_plan"], build["build_seconds"]
+    return {"from": f"x{largest['factor']}", "n_tokens": n, "n_centroids": c,
+            "compress_fixed_s_per_token": float(a), "compress_s_per_dot": float(b_dot),
+            "kmeans_s_per_unit": seconds["kmeans"] / (plan["train_tokens"] * math.sqrt(c)),
             "sample_s_per_token": seconds["sample"] / plan["sampled_tokens"],
-            "compress_s_per_token": seconds["encode"] / n,   # includes reading + rotating the tiled vectors (<5%)
             "join_s_per_token": seconds["join"] / n, "ivf_s_per_token": seconds["inverted_file"] / n,
             "sizes": per_size}
 
@@ -191,31 +205,31 @@ def project(name: str, n_docs: int, per_doc: float, measured: bool, rates: dict[
     per_token = DIM * RESIDUAL_BITS / 8 + code_bytes + 4 * nearest["ivf_entries_per_token"]
     fixed = centroids * (DIM * 4 + 8) + n_docs * (8 + 12)  # centroids, IVF offsets; doc offsets and ids
     index_bytes = tokens * per_token + fixed
-    train = 32 * centroids
-    sample_bytes = 2 * (train + (1 << 16)) * DIM * 2
-    peak_ratio = max(s["peak_over_final"] for s in sizes.values())
-    x16 = min(sizes.values(), key=lambda s: s["n_tokens"] if s["n_tokens"] > 1e7 else float("inf"))
-    top = max(sizes.values(), key=lambda s: s["n_tokens"])
-    per_doc_mb = max(0.0, (top["build_rss_anon_mb"] - x16["build_rss_anon_mb"]) / (top["n_docs"] - x16["n_docs"]))
-    search_per_doc_mb = max(0.0, (top["search_rss_anon_mb"] - x16["search_rss_anon_mb"])
-                            / (top["n_docs"] - x16["n_docs"]))
+    train = min(tokens, 32 * centroids)
+    peak_ratio = max(s["peak_over_final"] for s in sizes.values() if s["n_tokens"] > 1e7)
+    by_tokens = sorted((s for s in sizes.values() if s["n_tokens"] > 1e7), key=lambda s: s["n_tokens"])
+    low, top = by_tokens[0], by_tokens[-1]
+    grow = (top["build_rss_anon_mb"] - low["build_rss_anon_mb"]) / (top["n_docs"] - low["n_docs"])
+    search_grow = (top["search_rss_anon_mb"] - low["search_rss_anon_mb"]) / (top["n_docs"] - low["n_docs"])
     attended = tokens * args.attended_per_stored
-    index_cpu = (rates["sample_s_per_token"] * train * 1.2 + rates["kmeans_s_per_centroid_token"] * centroids * train
-                 + (rates["compress_s_per_token"] + rates["join_s_per_token"] + rates["ivf_s_per_token"]) * tokens)
-    host_s = (rates["join_s_per_token"] + rates["ivf_s_per_token"] + rates["compress_s_per_token"]) * tokens
-    gpu_kmeans = (2 * DIM * centroids * train * 4 + 2 * DIM * centroids * tokens) / (args.gpu_fp32_tflops * 1e12)
+    compress_s = (rates["compress_fixed_s_per_token"] + rates["compress_s_per_dot"] * dots_per_token(centroids)) * tokens
+    kmeans_s = rates["kmeans_s_per_unit"] * train * math.sqrt(centroids)
+    host_s = (rates["join_s_per_token"] + rates["ivf_s_per_token"]) * tokens + rates["sample_s_per_token"] * train
+    # On a GPU: exact k-means (4 iterations) and exact assignment, 2 D C flops a point, at the fp32 rate asked;
+    # the residuals, join and inverted file at this CPU's rates (host work).
+    gpu_kmeans_s = 2 * DIM * centroids * (4 * train + tokens) / (args.gpu_fp32_tflops * 1e12)
+    fixed_per_token = rates["compress_fixed_s_per_token"] * tokens
     out = {"corpus": name, "n_docs": n_docs, "tokens_per_doc": per_doc, "tokens_measured": measured,
            "n_tokens": tokens, "n_centroids": centroids, "bytes_per_token": index_bytes / tokens,
-           "index_bytes": index_bytes, "peak_disk_bytes": index_bytes * peak_ratio + sample_bytes,
-           "build_rss_anon_mb": top["build_rss_anon_mb"] + per_doc_mb * (n_docs - top["n_docs"]),
-           "search_rss_anon_mb": top["search_rss_anon_mb"] + search_per_doc_mb * (n_docs - top["n_docs"]),
-           "cpu_index_stages_s": index_cpu, "cpu_encode_s": {}, "gpu_encode_s": {},
-           "gpu_index_stages_s": gpu_kmeans + host_s}
+           "index_bytes": index_bytes, "peak_disk_bytes": index_bytes * peak_ratio,
+           "build_rss_anon_mb": top["build_rss_anon_mb"] + max(0.0, grow) * (n_docs - top["n_docs"]),
+           "search_rss_anon_mb": top["search_rss_anon_mb"] + max(0.0, search_grow) * (n_docs - top["n_docs"]),
+           "cpu_index_stages_s": compress_s + kmeans_s + host_s, "cpu_encode_s": {}, "gpu_encode_s": {},
+           "gpu_index_stages_s": gpu_kmeans_s + fixed_per_token + host_s}
     for model, weights in LINEAR_WEIGHTS.items():
-        flops = 2 * weights
         cpu_rate = encoding["attended_tokens_per_s"] * LINEAR_WEIGHTS["all-MiniLM-L6-v2"] / weights
         out["cpu_encode_s"][model] = attended / cpu_rate
-        out["gpu_encode_s"][model] = attended * flops / (args.gpu_tflops * 1e12)
+        out["gpu_encode_s"][model] = attended * 2 * weights / (args.gpu_tflops * 1e12)
     return out
 
 
@@ -233,18 +247,24 @@ def markdown(rows: list[dict[str, Any]], record: dict[str, Any]) -> list[str]:
     rates = record["stage_rates"]
     enc = record["encoding"]
     lines = [SECTION[0], "## Every large BEIR corpus, projected (2-bit compressed-as-encoded PLAID index)", "",
-             f"`python bench/beir_projection.py --scale {record['scale_file']}` (`bench/results/beir-projection.json`)."
-             " *P* marks a projected figure, everything else is measured or counted. Tokens are stored (scored) "
-             "tokens at `doc_maxlen` 180: measured on a copy where one is at hand (SciFact, NFCorpus; MS MARCO on "
-             "the DL19 passages), else estimated from BEIR's mean words per document (Table 1) on the length "
-             "distribution of the nearest local corpus (*est.*). Disk and memory per token, the inverted file's "
-             f"entries per token and the index stages' rates are `bench/scale.py`'s, measured at "
-             f"{rates['from']} ({rates['n_tokens'] / 1e6:.0f}M tokens, {rates['n_centroids']:,} centroids) on this "
-             f"2-core CPU; encoding at {enc['attended_tokens_per_s']:,.0f} attended tokens/s (MiniLM, fp32, "
-             f"{enc['threads']} threads, measured), bert-base from it by FLOPs per token (P). GPU columns (P): no "
-             f"GPU was lent; encoding at {record['settings']['gpu_tflops']:.0f} TFLOP/s of useful fp16 work, "
-             f"k-means and assignment at {record['settings']['gpu_fp32_tflops']:.0f} TFLOP/s, compression, join "
-             "and inverted file at this CPU's rates (host work); H200 has H100's compute, so the same figures.", "",
+             f"`python bench/beir_projection.py --scale {record['scale_file']} --markdown docs/results.md` "
+             "(`bench/results/beir-projection.json`). *(P)* marks a projected figure; documents are counted "
+             "(ir_datasets' metadata) and tokens per document measured on a copy where one is at hand (*est.*: "
+             "estimated from BEIR's mean words per document on the length distribution of the nearest local "
+             "corpus; MS MARCO's from the TREC DL19 passages' distribution at the collection's mean). Tokens are "
+             "stored (scored) tokens at `doc_maxlen` 180, D = 128, 2-bit residuals, ColBERTv2's centroid rule. "
+             f"From `bench/scale.py`'s builds on this 2-core CPU (largest {rates['from']}, "
+             f"{rates['n_tokens'] / 1e6:.0f}M tokens, {rates['n_centroids']:,} centroids): bytes per token (the "
+             "inverted file's entries per token at the nearest centroid count), peak disk over the final index, "
+             "memory (growing with the documents as measured between the sizes), and the index stages' time: "
+             "encode-and-compress per token as a fixed cost plus the two-level assignment's centroid products "
+             "(fitted over the sizes), k-means per sampled token x sqrt(C), the join and inverted file per token. "
+             f"Encoding: {enc['attended_tokens_per_s']:,.0f} attended tokens/s measured here (MiniLM-L6, fp32, "
+             f"{enc['threads']} threads), bert-base (the paper's backbone) from it by its 8x the FLOPs a token. GPU "
+             f"column: no GPU was lent; encoding at {record['settings']['gpu_tflops']:.0f} TFLOP/s of useful fp16 "
+             f"work, exact k-means and assignment at {record['settings']['gpu_fp32_tflops']:.0f} TFLOP/s, the "
+             "residuals, join and inverted file at this CPU's rates (host work); an H200 has an H100's compute, so "
+             "the same figures.", "",
              "| corpus | docs | tokens/doc | tokens | centroids | index | B/token | peak disk | build RssAnon | "
              "search RssAnon | CPU: index stages | CPU: encode MiniLM / bert-base | H100/H200: encode bert-base + "
              "index (P) |",

@@ -20,8 +20,12 @@ build from an empty folder:
   documents read from the stored codes and residuals (``exact_over_originals``; with copies that rarely outrank
   an original, a drop from it to the search's figure is candidate generation's).
 
-``--distractor-factor`` checks that premise: every copy of that tiling scored exactly against every query, how often
-a copy outranks the best relevant original or the 10th original.
+With ``--latency-rounds`` R, every size is searched again after all are built, size after size, R times (PLAID's
+defaults only): the p50 ratios between sizes are taken from these rounds, under the same conditions for each.
+
+At each of ``--exact-factors``, exact search over the whole tiled corpus (every copy scored exactly: the base searched
+once per copy), the ceiling of any search at that size, with how often a copy outranks the best relevant original
+or the 10th original.
 
 At each of ``--agreement-factors``, the tokens of ``--agreement-docs`` documents drawn from the tiled corpus are
 assigned exactly (brute force over the index's centroids) and compared with the codes the index stores (two-level
@@ -44,6 +48,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -115,6 +121,9 @@ elif spec["step"] == "search":
 
     out = searched(None)  # the defaults for depth k
     out["other_settings"] = {json.dumps(s, sort_keys=True): searched(PlaidSearchConfig(**s)) for s in spec["other"]}
+    if spec.get("latency_only"):
+        print("RESULT " + json.dumps({k: out[k] for k in ("p50_ms", "p95_ms", "n_queries", "ndcg@10")}))
+        sys.exit(0)
     # What compression alone allows: exact MaxSim of every query against the original documents (copy 0, rows
     # 0..n-1), read from the stored codes and residuals; the rotated copies never outrank them (bench/README.md).
     n_original = index.meta["vector_source"]["base_n_docs"]
@@ -144,9 +153,11 @@ elif spec["step"] == "agreement":
         exact = torch.cat([(block @ centroids.T).argmax(1) for block in vectors.split(4096)]).numpy()
         out[head] = {"tokens": int(len(exact)), "same_centroid": float((exact == stored).mean()),
                      "n_centroids": int(len(centroids))}
-elif spec["step"] == "distractors":
-    # Every copy of every document scored exactly. A rotated copy d R_r scores MaxSim(q R_r^T, d): the base searched
-    # with the queries turned back; a shuffled copy is read from the tiling, one copy of the corpus at a time.
+elif spec["step"] == "exact":
+    # Exact search over the whole tiled corpus, copy by copy: a rotated copy d R_r scores MaxSim(q R_r^T, d) (the
+    # base searched with the queries turned back); a shuffled copy is read from the tiling. The top k of every query
+    # kept as the copies go; how often a copy outranks the best relevant original, or the 10th original.
+    from hil.evaluation.evaluate import score_run
     from hil.retrieval.encoding import eval_mode
     from hil.retrieval.search import score_documents
     from hil.retrieval.store import TokenStore
@@ -154,16 +165,31 @@ elif spec["step"] == "distractors":
     base = TokenIndex.load(spec["base"])
     tiled = TiledVectors(base, spec["factor"], seed=spec["seed"], tiling=spec["tiling"])
     qids = [q for q in dataset.queries if q in dataset.qrels][: spec["queries"] or None]
+    dataset = dataclasses.replace(dataset, qrels={q: dataset.qrels[q] for q in qids})
     with eval_mode(encoder), torch.no_grad():
         encoded = encoder.encode_queries([dataset.queries[q] for q in qids])
     rows = np.arange(base.n_docs)
+    ids = tiled.doc_ids()
     original = score_documents(encoder, encoded, base, rows)  # (Q, n)
     position = {d: i for i, d in enumerate(base.doc_ids)}
-    best_relevant = np.array([max(original[i, position[d]] for d, g in dataset.qrels[q].items()
-                                  if g > 0 and d in position) for i, q in enumerate(qids)])
+    best_relevant = np.array([max((original[i, position[d]] for d, g in dataset.qrels[q].items()
+                                   if g > 0 and d in position), default=-np.inf) for i, q in enumerate(qids)])
     tenth = np.sort(original, axis=1)[:, -10]
     best_copy = np.full(len(qids), -np.inf)
     above = np.zeros(len(qids))
+    k = spec["k"]
+    top_scores = np.full((len(qids), k), -np.inf)
+    top_rows = np.zeros((len(qids), k), dtype=np.int64)
+
+    def merge(scores, offset):
+        global top_scores, top_rows
+        cut = np.argpartition(-scores, min(k, scores.shape[1]) - 1, axis=1)[:, :k]
+        both_scores = np.concatenate([top_scores, np.take_along_axis(scores, cut, 1)], axis=1)
+        both_rows = np.concatenate([top_rows, cut + offset], axis=1)
+        keep = np.argsort(-both_scores, axis=1, kind="stable")[:, :k]
+        top_scores, top_rows = np.take_along_axis(both_scores, keep, 1), np.take_along_axis(both_rows, keep, 1)
+
+    merge(original, 0)
     for copy in range(1, spec["factor"]):
         if spec["tiling"] == "rotation":
             turned = {h: v @ tiled.rotation(copy).T for h, v in encoded.heads.items()}
@@ -174,12 +200,18 @@ elif spec["step"] == "distractors":
             scores = score_documents(encoder, encoded, store, rows)
         best_copy = np.maximum(best_copy, scores.max(1))
         above += (scores > best_relevant[:, None]).sum(1)
+        merge(scores, copy * base.n_docs)
+    run = {q: {ids[r]: float(v) for r, v in zip(top_rows[i], top_scores[i])} for i, q in enumerate(qids)}
+    metrics = ("ndcg@10", "recall@100")
+    evaluation = score_run("exact", dataset, run, metrics=metrics)
     out = {"factor": spec["factor"], "tiling": spec["tiling"], "queries": len(qids),
+           **{m: float(evaluation.aggregate[m]) for m in metrics},
+           "per_query": {q: {m: float(v[m]) for m in metrics} for q, v in evaluation.per_query.items()},
            "share_of_queries_a_copy_beats_the_best_relevant": float((best_copy > best_relevant).mean()),
            "copies_above_the_best_relevant_per_query": float(above.mean()),
            "share_of_queries_a_copy_beats_the_10th_original": float((best_copy > tenth).mean()),
-           "mean_best_relevant_score": float(best_relevant.mean()), "mean_10th_score": float(tenth.mean()),
-           "mean_best_copy_score": float(best_copy.mean())}
+           "mean_best_relevant_score": float(best_relevant[np.isfinite(best_relevant)].mean()),
+           "mean_10th_score": float(tenth.mean()), "mean_best_copy_score": float(best_copy.mean())}
 print("RESULT " + json.dumps(out))
 """
 
@@ -266,14 +298,21 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--agreement-docs", type=int, default=2000, help="documents checked against exact codes")
     parser.add_argument("--agreement-factors", default="16,256",
                         help="sizes (of --factors) whose stored codes are checked against exact assignment")
-    parser.add_argument("--distractor-factor", type=int, default=0,
-                        help="score every copy of this tiling exactly: do the copies ever outrank the originals?")
+    parser.add_argument("--exact-factors", default="",
+                        help="sizes searched exactly over the whole tiled corpus (slow: the base's exact search "
+                             "once per copy), the ceiling of the search at that size; with the distractors' counts")
     parser.add_argument("--plaid", default="{}", help="more PlaidIndexConfig settings (JSON), e.g. n_centroids")
     parser.add_argument("--tag", default="", help="appended to every size's label (runs with other settings)")
+    parser.add_argument("--latency-rounds", type=int, default=3,
+                        help="after every build, the sizes searched again in turn this many times (the same "
+                             "conditions for each: p50 ratios between sizes from these rounds)")
     parser.add_argument("--poll", type=float, default=1.0)
     parser.add_argument("--keep", action="store_true", help="keep each tiled index after it is measured")
     parser.add_argument("--progress", action="store_true")
     parser.add_argument("--output", default=None)
+    parser.add_argument("--resume", action="store_true",
+                        help="go on from --output: sizes measured there are not built again (the kept ones are "
+                             "searched again in the latency rounds); the earlier commands are recorded")
     args = parser.parse_args(argv)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -283,6 +322,12 @@ def main(argv: list[str]) -> None:
               "agreement_docs": args.agreement_docs, "other": json.loads(args.other_search),
               "tiling": args.tiling}
     results: dict[str, Any] = {"base": child({**common, "step": "base"}, [], args.poll), "sizes": {}}
+    if args.resume and args.output and Path(args.output).exists():
+        earlier = json.loads(Path(args.output).read_text())
+        results["sizes"] = earlier["results"]["sizes"]
+        results["resumed_from"] = [*earlier["results"].get("resumed_from", []),
+                                   {"command": earlier["command"], "created": earlier["created"],
+                                    "git_commit": earlier.get("git_commit")}]
     print(f"base: {results['base']['n_tokens']} tokens", flush=True)
     plans = [(int(f), args.assignment) for f in args.factors.split(",") if f]
     if args.paired_factor:
@@ -292,6 +337,8 @@ def main(argv: list[str]) -> None:
         if assignment == "two-level" and default and default["build"]["params"]["assignment"] == "two-level":
             continue  # the default build of this size is the two-level one
         label = f"x{factor}" + ("" if assignment == args.assignment else f"-{assignment}") + args.tag
+        if label in results["sizes"]:
+            continue  # measured by the run this one resumes
         folder = work / label
         index = folder / "index"
         plaid = {**json.loads(args.plaid), **({} if assignment == "auto" else {"assignment": assignment})}
@@ -314,16 +361,47 @@ def main(argv: list[str]) -> None:
               + "; ".join(f"{k}: p50 {v['p50_ms']:.1f} ms, nDCG@10 {v['ndcg@10']:.4f}"
                           for k, v in search["other_settings"].items())
               + f"; exact over the originals nDCG@10 {search['exact_over_originals']['ndcg@10']:.4f}", flush=True)
-        if not args.keep:
+        if not args.keep and not (args.latency_rounds and assignment == args.assignment and not args.tag):
             shutil.rmtree(folder, ignore_errors=True)
+    if args.latency_rounds:
+        results["latency_rounds"] = latency_rounds(args, common, work, results["sizes"])
+        if args.output:
+            save(args, argv, results)
     if args.paired_factor:
         results["paired"] = paired(results["sizes"], args.paired_factor, args.assignment)
-    if args.distractor_factor:
-        results["distractors"] = child({**common, "step": "distractors", "factor": args.distractor_factor}, [],
-                                       args.poll)
-        print("distractors:", json.dumps(results["distractors"]), flush=True)
+    for factor in [int(f) for f in args.exact_factors.split(",") if f]:
+        results.setdefault("exact", {})[f"x{factor}"] = found = child(
+            {**common, "step": "exact", "factor": factor}, [], args.poll)
+        print(f"x{factor} exact search over the tiled corpus: nDCG@10 {found['ndcg@10']:.4f}, recall@100 "
+              f"{found['recall@100']:.4f}; a copy beats the best relevant original in "
+              f"{100 * found['share_of_queries_a_copy_beats_the_best_relevant']:.1f}% of queries", flush=True)
+        if args.output:
+            save(args, argv, results)
     if args.output:
         save(args, argv, results)
+
+
+def latency_rounds(args: argparse.Namespace, common: dict[str, Any], work: Path,
+                   sizes: dict[str, Any]) -> dict[str, Any]:
+    """Every kept default size searched again (PLAID's defaults only), size after size, ``--latency-rounds``
+    times: each size's p50 and p95 per round, and their medians."""
+    import shutil
+
+    labels = [label for label, entry in sizes.items()
+              if label == f"x{entry['factor']}" and (work / label / "index").is_dir()]
+    rounds: dict[str, list[dict[str, float]]] = {label: [] for label in labels}
+    for _ in range(args.latency_rounds):
+        for label in labels:
+            spec = {**common, "step": "search", "index": str(work / label / "index"), "other": [],
+                    "latency_only": True}
+            found = child(spec, [], args.poll)
+            rounds[label].append({k: found[k] for k in ("p50_ms", "p95_ms", "peak_rss_anon_mb")})
+    if not args.keep:
+        for label in labels:
+            shutil.rmtree(work / label, ignore_errors=True)
+    return {label: {"rounds": found, "p50_ms_median": float(np.median([r["p50_ms"] for r in found])),
+                    "p95_ms_median": float(np.median([r["p95_ms"] for r in found]))}
+            for label, found in rounds.items()}
 
 
 def save(args: argparse.Namespace, argv: list[str], results: dict[str, Any]) -> None:
