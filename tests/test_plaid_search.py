@@ -163,3 +163,29 @@ def test_two_heads_union_of_per_head_candidates(hf_tokenizer, tmp_path):
         for doc, score in result.run[qid].items():  # the combined exact score
             assert score == pytest.approx(exact.run[qid][doc], abs=1e-5)
     assert only_one > 0, "the heads keep different documents, so the union matters"
+
+
+@pytest.mark.parametrize("code_dtype", [np.uint16, np.int32])
+def test_stage3_reads_16_bit_codes_in_place_and_unsigned(code_dtype, monkeypatch, tmp_path):
+    """Above DISTINCT_CODES_MAX_TOKENS stage 3 reads the stored codes; 16-bit ones (centroid numbers past 32,767
+    included) stay the file's pages (no int32 copy of every token) and score as a slow loop over tokens does."""
+    import hil.retrieval.plaid as plaid_module
+    from hil.retrieval.plaid import CentroidPlan
+
+    monkeypatch.setattr(plaid_module, "DISTINCT_CODES_MAX_TOKENS", 0)
+    rng = np.random.default_rng(3)
+    n_centroids, lengths = 60000, rng.integers(0, 9, size=25)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    np.save(tmp_path / "codes.npy", rng.integers(0, n_centroids, size=int(offsets[-1])).astype(code_dtype))
+    codes = np.load(tmp_path / "codes.npy", mmap_mode="r")
+    centroids = rng.standard_normal((n_centroids, 4)).astype(np.float32)
+    plan = CentroidPlan(centroids, codes, np.zeros(n_centroids + 1, np.int64), np.zeros(0, np.int32), offsets)
+    scores = torch.from_numpy(rng.standard_normal((3, n_centroids)).astype(np.float32))
+    docs = np.arange(len(lengths))
+    got = centroid_interaction(plan, scores, docs).numpy()
+    expected = [sum(max(float(scores[i, int(c)]) for c in codes[offsets[d]: offsets[d + 1]]) for i in range(3))
+                if lengths[d] else 0.0 for d in docs]
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
+    assert (codes >= 1 << 15).any()
+    table = plan.tables("cpu").doc_codes
+    assert table.data_ptr() == codes.ctypes.data  # shared with the memory map, not copied

@@ -319,12 +319,30 @@ def document_codes(plan: "CentroidPlan") -> tuple[np.ndarray, np.ndarray]:
     return distinct_doc_codes(plan.ivf_offsets, plan.ivf_docs, len(plan.doc_offsets) - 1)
 
 
+def stage3_codes(codes: np.ndarray) -> tuple[np.ndarray, type[np.generic]]:
+    """Stage 3's code table as uploaded, and its dtype: 16-bit codes (up to 2^16 centroids, read from the memory
+    map above :data:`DISTINCT_CODES_MAX_TOKENS`) are viewed as int16, the same bytes, so that the table stays the
+    file's pages instead of an int32 copy of every token (2 B more a token of the search's own memory: 200 MB at
+    SciFact x64, measured by bench/scale.py); torch cannot gather uint16, and stage 3 reads them back with
+    :func:`unsigned_codes`. Anything else as int32."""
+    if codes.dtype == np.uint16:
+        return codes.view(np.int16), np.int16
+    return codes, np.int32
+
+
+def unsigned_codes(codes: torch.Tensor) -> torch.Tensor:
+    """Codes gathered from a :func:`stage3_codes` table as int32: an int16 table holds uint16 centroid numbers."""
+    if codes.dtype == torch.int16:
+        return codes.to(torch.int32) & 0xFFFF
+    return codes
+
+
 @dataclass(frozen=True)
 class PlanTables:
     """A :class:`CentroidPlan`'s arrays as tensors on one device: what every search stage reads."""
 
     centroids: torch.Tensor         # (C, D) float32
-    doc_codes: torch.Tensor         # (E,) int32 each document's distinct centroids (distinct_doc_codes)
+    doc_codes: torch.Tensor         # (E,) int32 (int16: uint16 codes, stage3_codes) each document's centroids
     doc_code_offsets: torch.Tensor  # (n_docs + 1,) int64
     ivf_offsets: torch.Tensor       # (C + 1,) int64
     ivf_docs: torch.Tensor          # (E,) int32
@@ -359,7 +377,7 @@ class CentroidPlan:
                 self.__dict__["_doc_codes"] = document_codes(self)
             doc_codes, doc_code_offsets = self.__dict__["_doc_codes"]
             cache[device] = PlanTables(upload_rows(self.centroids, np.float32, device),
-                                       upload_rows(doc_codes, np.int32, device),
+                                       upload_rows(*stage3_codes(doc_codes), device),
                                        upload_rows(doc_code_offsets, np.int64, device),
                                        upload_rows(self.ivf_offsets, np.int64, device),
                                        upload_rows(self.ivf_docs, np.int32, device),

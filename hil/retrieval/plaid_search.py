@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from hil.retrieval.devices import canonical_device
-from hil.retrieval.plaid import CentroidPlan, PlanTables
+from hil.retrieval.plaid import CentroidPlan, PlanTables, unsigned_codes
 from hil.retrieval.store import device_length_blocks
 
 # Stage 2 scatters into a (Lq, B n_docs) table when it has at most this many cells per probed entry (see
@@ -198,7 +198,7 @@ def pair_centroid_interaction(tables: PlanTables, centroid_scores: torch.Tensor,
         picked = order[block]
         rows = _repeating_rows(offsets, pair_doc[picked], lengths[picked], width, last_row)
         # index_select, not advanced indexing: whole rows of Lq scores copied at once (several times faster on a CPU)
-        codes = tables.doc_codes.index_select(0, rows.reshape(-1)).view(len(picked), width)  # int32
+        codes = unsigned_codes(tables.doc_codes.index_select(0, rows.reshape(-1))).view(len(picked), width)
         if n_queries > 1:  # the row of (query, centroid); int32 arithmetic (B C < 2^31, checked above)
             codes = codes + (pair_query[picked] * n_centroids).to(torch.int32)[:, None]
         sims = table.index_select(0, codes.reshape(-1)).view(len(picked), width, n_tokens_q)
