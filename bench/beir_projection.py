@@ -170,15 +170,20 @@ def stage_rates(scale: dict[str, Any]) -> dict[str, Any]:
     each sampled point scores the coarse and then its cluster's centroids), sampling, join and inverted file per
     token (at the largest size); the IVF entries per token, bytes per token, peak/final disk and memory at each."""
     sizes = {label: entry for label, entry in scale["results"]["sizes"].items() if label == f"x{entry['factor']}"}
+    rounds = scale["results"].get("latency_rounds", {})
     per_size, fit_x, fit_y = {}, [], []
     for label, entry in sizes.items():
         b = entry["build"]
+        # The search's memory from the latency rounds where there are some (the search as it is after the whole
+        # run, every size under the same code), else from the size's own search.
+        search_rss = max((r["peak_rss_anon_mb"] for r in rounds.get(label, {}).get("rounds", [])),
+                         default=entry["search"]["peak_rss_anon_mb"])
         n, c = b["n_tokens"], b["params"]["n_centroids"]
         per_size[label] = {"n_tokens": n, "n_docs": b["n_docs"], "n_centroids": c,
                            "assignment": b["params"]["assignment"],
                            "ivf_entries_per_token": sum(b["build_plan"]["inverted_file"]["entries"].values()) / n,
                            "bytes_per_token": b["bytes_per_token"], "peak_over_final": b["peak_disk_bytes"] / b["disk_bytes"],
-                           "build_rss_anon_mb": b["peak_rss_anon_mb"], "search_rss_anon_mb": entry["search"]["peak_rss_anon_mb"],
+                           "build_rss_anon_mb": b["peak_rss_anon_mb"], "search_rss_anon_mb": search_rss,
                            "encode_s_per_token": b["build_seconds"]["encode"] / n}
         if b["params"]["assignment"] == "two-level":
             fit_x.append(dots_per_token(c))
