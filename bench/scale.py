@@ -324,7 +324,7 @@ def main(argv: list[str]) -> None:
     results: dict[str, Any] = {"base": child({**common, "step": "base"}, [], args.poll), "sizes": {}}
     if args.resume and args.output and Path(args.output).exists():
         earlier = json.loads(Path(args.output).read_text())
-        results["sizes"] = earlier["results"]["sizes"]
+        results = {**earlier["results"], "base": results["base"]}  # sizes, rounds, exact searches: kept
         results["resumed_from"] = [*earlier["results"].get("resumed_from", []),
                                    {"command": earlier["command"], "created": earlier["created"],
                                     "git_commit": earlier.get("git_commit")}]
