@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -125,7 +126,7 @@ elif spec["step"] == "search":
         print("RESULT " + json.dumps({k: out[k] for k in ("p50_ms", "p95_ms", "n_queries", "ndcg@10")}))
         sys.exit(0)
     # What compression alone allows: exact MaxSim of every query against the original documents (copy 0, rows
-    # 0..n-1), read from the stored codes and residuals; the rotated copies never outrank them (bench/README.md).
+    # 0..n-1), read from the stored codes and residuals (the copies left out: the "exact" step scores them too).
     n_original = index.meta["vector_source"]["base_n_docs"]
     qids = list(queries)
     with eval_mode(encoder), torch.no_grad():
@@ -343,7 +344,6 @@ def main(argv: list[str]) -> None:
         index = folder / "index"
         plaid = {**json.loads(args.plaid), **({} if assignment == "auto" else {"assignment": assignment})}
         spec = {**common, "factor": factor, "index": str(index), "plaid": plaid}
-        import shutil
         shutil.rmtree(folder, ignore_errors=True)  # a build measured whole: nothing resumed from an earlier run
         build = child({**spec, "step": "build"}, [folder], args.poll)
         search = child({**spec, "step": "search"}, [], args.poll)
@@ -385,8 +385,6 @@ def latency_rounds(args: argparse.Namespace, common: dict[str, Any], work: Path,
                    sizes: dict[str, Any]) -> dict[str, Any]:
     """Every kept default size searched again (PLAID's defaults only), size after size, ``--latency-rounds``
     times: each size's p50 and p95 per round, and their medians."""
-    import shutil
-
     labels = [label for label, entry in sizes.items()
               if label == f"x{entry['factor']}" and (work / label / "index").is_dir()]
     rounds: dict[str, list[dict[str, float]]] = {label: [] for label in labels}

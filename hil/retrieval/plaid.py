@@ -322,8 +322,8 @@ def document_codes(plan: "CentroidPlan") -> tuple[np.ndarray, np.ndarray]:
 def stage3_codes(codes: np.ndarray) -> tuple[np.ndarray, type[np.generic]]:
     """Stage 3's code table as uploaded, and its dtype: 16-bit codes (up to 2^16 centroids, read from the memory
     map above :data:`DISTINCT_CODES_MAX_TOKENS`) are viewed as int16, the same bytes, so that the table stays the
-    file's pages instead of an int32 copy of every token (2 B more a token of the search's own memory: 200 MB at
-    SciFact x64, measured by bench/scale.py); torch cannot gather uint16, and stage 3 reads them back with
+    file's pages instead of an int32 copy of every token (4 B a token of the search's own memory: 209 MB at
+    SciFact x64, bench/scale.py); torch cannot gather uint16, and stage 3 reads them back with
     :func:`unsigned_codes`. Anything else as int32."""
     if codes.dtype == np.uint16:
         return codes.view(np.int16), np.int16

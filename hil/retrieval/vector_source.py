@@ -148,11 +148,16 @@ class TiledVectors:
                 if copy:
                     where = token_copy == copy
                     token_rows[where] = self.permutation(int(copy))[token_rows[where]]
+        # Shuffled rows are read in ascending order (a memmap read stays sequential), then put back in place.
+        order = np.argsort(token_rows, kind="stable") if self.tiling == "shuffle" else None
         embeddings = {}
         for head in self.head_names:
-            vectors = np.asarray(self.base.embeddings[head][np.sort(token_rows)][np.argsort(np.argsort(token_rows))]
-                                 if self.tiling == "shuffle" else self.base.embeddings[head][token_rows],
-                                 dtype=np.float16)
+            table = self.base.embeddings[head]
+            if order is None:
+                vectors = np.asarray(table[token_rows], dtype=np.float16)
+            else:
+                vectors = np.empty((len(token_rows), table.shape[1]), dtype=np.float16)
+                vectors[order] = table[token_rows[order]]
             if self.tiling == "rotation":
                 for copy in np.unique(token_copy):
                     if copy == 0:
