@@ -42,18 +42,40 @@ class MissingInputError(UserError, FileNotFoundError):
 
 def check_output_path(path: str | os.PathLike, option: str, *, folder: bool) -> None:
     """Refuse, before any work, an output that cannot be written where the user pointed it: a file where a folder
-    is written (``folder=True``) or a folder where a file is, or a parent path that is a file. Nothing exists yet,
-    so nothing is renamed or left half-written."""
+    is written (``folder=True``) or a folder where a file is, a parent path that is a file, or a folder where
+    nothing can be created (read-only, immutable, not permitted). Nothing exists yet, so nothing is renamed or left
+    half-written."""
     target = Path(path).expanduser()
     if target.exists() and target.is_dir() != folder:
         what, wanted = ("a file", "a folder") if folder else ("a folder", "a file")
         raise UserError(f"{option} {path}: {what} is there; {wanted} is written at this path (give another path or "
                         "remove it)")
+    nearest = None
     for parent in target.parents:
         if parent.exists():
             if not parent.is_dir():
                 raise UserError(f"{option} {path}: {parent} is a file, not a folder")
+            nearest = parent
             break
+    # Probed by writing, not by os.access: root passes every permission bit, yet not a read-only mount or an
+    # immutable folder (chattr +i). The parent takes the temporary copy an atomic write renames into place; an
+    # existing folder takes the files written inside it.
+    for folder_written in {nearest, target if target.is_dir() else None} - {None}:
+        reason = _not_writable(folder_written)
+        if reason:
+            raise UserError(f"{option} {path}: {folder_written} is not writable ({reason}); give another path")
+
+
+def _not_writable(folder: Path) -> str | None:
+    """Why nothing can be created in ``folder`` (the OS's words), or None when a probe file could be."""
+    import tempfile
+    try:
+        handle, probe = tempfile.mkstemp(dir=folder, prefix=".hil-write-probe-")
+    except OSError as error:
+        return error.strerror or type(error).__name__
+    os.close(handle)
+    os.unlink(probe)
+    return None
 
 
 class DataFormatError(UserError):

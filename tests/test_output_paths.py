@@ -4,6 +4,8 @@ replacement never renames a user's file aside."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from hil.errors import UserError, check_output_path
@@ -155,3 +157,14 @@ def test_one_version_source():
     assert "version" not in project["project"] and "version" in project["project"]["dynamic"]
     assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "hil.__version__"}
     assert hil.__version__ == "0.2.0"
+
+
+def test_check_output_path_refuses_a_folder_nothing_can_be_written_in(tmp_path):
+    # /proc takes no new files, even from root (whom permission bits do not stop): the nearest existing folder of
+    # each path below is read-only in the way an immutable or read-only-mounted folder is.
+    for target, folder in ((Path("/proc/hil-export"), True), (Path("/proc/self/hil/run.trec"), False),
+                           (Path("/proc"), True)):
+        with pytest.raises(UserError, match="is not writable"):
+            check_output_path(target, "--out", folder=folder)
+    check_output_path(tmp_path / "new" / "run.trec", "--out", folder=False)
+    assert not list(tmp_path.iterdir())  # the probe leaves nothing behind
