@@ -317,3 +317,23 @@ def test_candidates_follow_scores_not_the_file_order_and_stop_at_depth(tmp_path:
     assert candidates_from_run({"q": {}}, 3) == {}
     with pytest.raises(ValueError, match="depth"):
         candidates_from_run(run, 0)
+
+
+def test_a_query_judged_only_negative_after_another_scores_zero_without_crashing():
+    # pytrec_eval dies with SIGSEGV on these qrels when it computes two measures (issue 39): run in a child process,
+    # so the crash is a failed test and not the end of the suite. Expected values by hand: q1's only judged document
+    # is first (1 on every measure), q2 has nothing relevant (0), the mean is 0.5; MAP's 1/1 too.
+    import subprocess
+    import sys
+    code = ("from hil.evaluation.metrics import evaluate_run\n"
+            "qrels = {'q1': {'d1': 2}, 'q2': {'d1': -2}}\n"
+            "run = {'q1': {'d1': 1.0, 'd5': 0.3}, 'q2': {'d1': 1.0, 'd3': 2.0}}\n"
+            "mean, per_query = evaluate_run(qrels, run, ['ndcg@10', 'recall@100', 'map', 'mrr@10', 'ndcg'])\n"
+            "print(sorted(mean.items())); print(sorted(per_query['q2'].items()))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, (done.returncode, done.stderr[-500:])
+    mean_line, q2_line = done.stdout.strip().splitlines()
+    assert mean_line == str(sorted({"map": 0.5, "mrr@10": 0.5, "ndcg": 0.5, "ndcg@10": 0.5,
+                                    "recall@100": 0.5}.items()))
+    assert q2_line == str(sorted({"map": 0.0, "mrr@10": 0.0, "ndcg": 0.0, "ndcg@10": 0.0,
+                                  "recall@100": 0.0}.items()))

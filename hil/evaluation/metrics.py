@@ -131,7 +131,10 @@ def _clean_qrels(qrels: Mapping[str, Mapping[str, int]]) -> Qrels:
             if isinstance(rel, float) and not rel.is_integer():
                 raise ValueError(f"qrels: query {qid!r}, document {docid!r}: relevance {rel!r} is not an integer")
             try:
-                row[str(docid)] = int(rel)
+                # A negative grade (Touche's old -2) is sent as 0: every measure used here gives the same figure
+                # for both (checked against pytrec_eval where it survives), and pytrec_eval crashes the process
+                # (SIGSEGV) on a query judged only negative after another query when it computes two measures.
+                row[str(docid)] = max(int(rel), 0)
             except (TypeError, ValueError):
                 raise ValueError(f"qrels: query {qid!r}, document {docid!r}: relevance {rel!r} "
                                  "is not an integer") from None
