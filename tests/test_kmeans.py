@@ -319,3 +319,14 @@ def test_cuda_kmeans_ignores_tf32(token_vectors):
         torch.set_float32_matmul_precision(previous)
     reference = np.argmax(token_vectors.astype(np.float64) @ unit_rows(token_vectors[::40]).astype(np.float64).T, 1)
     assert (codes.cpu().numpy() != reference).mean() < 1e-3
+
+
+@pytest.mark.parametrize("seed", [0, 1, 7, 12345])
+def test_starting_centroids_are_distinct_points_for_every_seed(seed):
+    # As many centroids as points: distinct starting points make every point its own centroid after one step (no
+    # cluster empty, the centroids are the points); a repeated starting point leaves a cluster empty, re-seeded.
+    points = torch.nn.functional.normalize(torch.randn(64, 8, generator=torch.Generator().manual_seed(seed)), dim=1)
+    result = kmeans_module.spherical_kmeans(points, 64, niter=1, seed=seed)
+    assert result.n_split == [0]
+    best, nearest = (points @ result.centroids.T).max(dim=1)  # each point's own centroid, one to one
+    assert sorted(nearest.tolist()) == list(range(64)) and bool((best > 1 - 1e-5).all())
