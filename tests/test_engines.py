@@ -111,6 +111,28 @@ def test_seed_summary_against_hand_computed_spread():
     assert lines[-1] == "![isotropy against MUVERA recall](fig.png)"
 
 
+def test_muvera_points_plot_a_two_head_models_most_anisotropic_head_per_transform():
+    # Two heads, the anisotropic one second in one model and first in the other, and a transform under which the
+    # order flips: the figure's x is the head SimHash sees worst, per model and per transform (the max, not the min,
+    # nor the first head).
+    muvera = {"class_path": "hil.retrieval.backends.configs.MuveraIndexConfig"}
+    plaid = {"class_path": "hil.retrieval.backends.configs.PlaidIndexConfig"}
+
+    def entry(isotropy, recall):
+        return {"isotropy": isotropy, "engines": {
+            "MUVERA": {"backend": muvera, "transform": "none", "recall@100_vs_exact": {"mean": recall}},
+            "MUVERA centered": {"backend": muvera, "transform": "centered", "recall@100_vs_exact": {"mean": recall}},
+            "PLAID": {"backend": plaid, "transform": "none", "recall@100_vs_exact": {"mean": 0.9}}}}
+
+    record = {"settings": {"depth": 100}, "models": {
+        "HIL": entry({"lexical": {"none": {"avg_cos": 0.1}, "centered": {"avg_cos": 0.05}},
+                      "semantic": {"none": {"avg_cos": 0.6}, "centered": {"avg_cos": 0.02}}}, 0.4),
+        "other": entry({"a": {"none": {"avg_cos": 0.7}, "centered": {"avg_cos": 0.01}},
+                        "b": {"none": {"avg_cos": 0.2}, "centered": {"avg_cos": 0.03}}}, 0.3)}}
+    assert sorted(muvera_points(record)) == sorted([("HIL", "none", 0.6, 0.4), ("HIL", "centered", 0.05, 0.4),
+                                                    ("other", "none", 0.7, 0.3), ("other", "centered", 0.03, 0.3)])
+
+
 @pytest.mark.integration
 def test_engine_study_reuses_unchanged_models_and_remeasures_changed_ones(tiny_model_dir, tmp_path, monkeypatch,
                                                                         capsys):
