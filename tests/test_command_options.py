@@ -59,6 +59,9 @@ def test_values_from_a_file_reach_the_command(tmp_path, capsys):
 @pytest.mark.parametrize("text, expected", [
     ("k: 5\nnope: 1\n", "options.yaml:2: Option 'nope' is not accepted"),
     ("mode: full\nquiet: 3\n", "options.yaml:2: Option 'quiet' is a flag: true or false (got 3)"),
+    # a quoted word is text, not a truth value: "false" must not turn the flag on (issue 39)
+    ("mode: full\nquiet: \"false\"\n", "options.yaml:2: Option 'quiet' is a flag: true or false (got 'false')"),
+    ("quiet: 'true'\n", "options.yaml:1: Option 'quiet' is a flag: true or false (got 'true')"),
     ("k: [1, 2]\n", "options.yaml:1: Parser key \"k\""),
     ("k: [1,\n", "options.yaml:2: not valid YAML"),
 ])
@@ -229,3 +232,10 @@ def test_help_of_every_command_but_training_loads_no_torch():
     lines = shown.stdout.split("\n")
     assert [line for line in lines if line] == [f"{command} 0 -" for command in [*commands, "evaluate.py"]], \
         shown.stdout
+
+
+@pytest.mark.parametrize("given", ["--quiet=false", "--quiet=true", "--quiet=0"])
+def test_a_value_given_to_a_flag_on_the_command_line_is_refused(given, capsys):
+    assert hil(["beir", given, "--model", "a=b"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--quiet" in err, err
