@@ -161,3 +161,23 @@ def test_switching_kinds_leaves_only_the_new_kinds_files(encoder, tmp_path):
     assert files() == base | {"a.faiss", "b.faiss"}
     index = rebuild_search_structures(index, "flat", progress=False)
     assert files() == base
+
+
+def test_a_plaid_build_says_so_before_its_k_means_and_after_each_head(encoder, tmp_path, capfd, monkeypatch):
+    # Off a terminal (the test's stderr) the line comes when the stage starts, not only when it ends: k-means and
+    # the codes ran silent for ~20 s on SciFact (issue 40). The first line is written before any head's k-means.
+    import hil.retrieval.backends.centroid as centroid
+
+    seen_before_kmeans = []
+    real = centroid.train_plaid_centroids
+
+    def watched(*args, **kwargs):
+        seen_before_kmeans.append(capfd.readouterr().err)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(centroid, "train_plaid_centroids", watched)
+    ids, texts = toy_corpus()
+    build_index(encoder, ids, texts, tmp_path / "idx", backend=PlaidIndexConfig(**EVERYTHING["plaid"][0]),
+                progress=True)
+    assert "plaid structures" in seen_before_kmeans[0] and "0/2" in seen_before_kmeans[0]
+    assert "2/2" in capfd.readouterr().err

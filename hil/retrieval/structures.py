@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import logging
 import time
 import warnings
 from pathlib import Path
@@ -21,9 +20,8 @@ from hil.retrieval.backends.configs import IndexConfig, PlaidIndexConfig, config
 from hil.retrieval.backends.registry import BACKENDS, backend_class
 from hil.retrieval.codec import CompressedEmbeddings
 from hil.retrieval.index import TokenIndex, plaid_paths, seal_index
+from hil.retrieval.progress import progress_bar
 from hil.retrieval.store import TokenTable
-
-logger = logging.getLogger(__name__)
 
 
 # -- search structures ------------------------------------------------------------------------------------------
@@ -69,6 +67,9 @@ def write_search_files(directory: Path, embeddings: dict[str, TokenTable], confi
     device = torch.device(device)
     resolved: dict[str, Any] = {}
     codecs: dict[str, Any] = {}
+    # k-means and the codes take tens of seconds even on SciFact: a line when they start, and one per head done.
+    bar = progress_bar(len(embeddings), f"{kind} structures (k-means, codes, inverted file)", "head",
+                       enabled=progress and backend.stores_files, every_s=0.0)
     for head, vectors in embeddings.items():
         resolved = backend.resolve_machine_params(backend.resolve_params(config, vectors.shape[0], vectors.shape[1]),
                                                   device=device, use_gpu=use_gpu, gpu_device=gpu_device)
@@ -82,8 +83,9 @@ def write_search_files(directory: Path, embeddings: dict[str, TokenTable], confi
         if codec is not None:
             codecs[head] = codec.settings()
         _remove_stale_files(directory, head, kept)
-        if progress and backend.stores_files:
-            logger.info("%s structures of head %s: %.1f s", kind, head, time.perf_counter() - started)
+        bar.set_postfix_str(f"{head}: {time.perf_counter() - started:.1f} s", refresh=False)
+        bar.update(1)
+    bar.close()
     settings = {"kind": kind, "params": resolved, "factory": backend.factory(resolved),
                 "metric": "inner_product", "stored": backend.stores_files}
     if codecs:
