@@ -32,7 +32,7 @@ def test_candidate_recall_counts_the_exact_top_depth_found():
 
 
 @pytest.mark.integration
-def test_engine_study_on_a_slice(tiny_model_dir, tmp_path):
+def test_engine_study_on_a_slice(tiny_model_dir, tmp_path, capsys):
     dataset = load_beir("scifact").subset(6, 60, seed=1)
     engines = (Engine("all", MuveraIndexConfig(), MuveraSearchConfig(n_candidates=1000)),
                Engine("few, centered", MuveraIndexConfig(transform="center"), MuveraSearchConfig(n_candidates=2)))
@@ -63,6 +63,11 @@ def test_engine_study_on_a_slice(tiny_model_dir, tmp_path):
     text = (tmp_path / "out" / "engines.md").read_text()
     assert "| tiny | all | 60 | 1.0000 [1.0000, 1.0000] |" in text
     assert json.loads((tmp_path / "out" / "engines.json").read_text())["settings"]["depth"] == 10
+    # a line as each stage starts (the study ran ~20 s silent before its first result, issue 40), in order
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[engines] tiny: ")]
+    assert [line.split(": ", 1)[1] for line in said[:4]] == [
+        f"loading {tiny_model_dir}", "exact search over 60 documents (the reference of every engine)", "all",
+        "few, centered"] and "recall" in said[4]
 
 
 def test_models_given_with_seeds_are_trainings_of_one_method():

@@ -120,6 +120,7 @@ def model_record(name: str, encoder: Encoder, dataset: BeirDataset, engines: Seq
                  EvaluationSettings, *, depth: int, max_tokens: int, n_bootstrap: int, seed: int) -> dict[str, Any]:
     """Exact search, every engine and the isotropy measures of one model (see the module docstring)."""
     settings = replace(settings, backend=engines[0].backend, k=depth)
+    say(f"{name}: exact search over {len(dataset.corpus):,} documents (the reference of every engine)")
     index = document_store(encoder, dataset, settings)
     exact = evaluate(encoder, dataset, replace(settings, mode="exhaustive"), name="exact", store=index)
     samples = {head: sample_token_vectors(index, head, max_tokens, seed=seed) for head in encoder.head_names}
@@ -128,6 +129,7 @@ def model_record(name: str, encoder: Encoder, dataset: BeirDataset, engines: Seq
         "isotropy": {head: {"none": token_isotropy(points, seed)} for head, points in samples.items()},
         "engines": {}}
     for engine in engines:
+        say(f"{name}: {engine.name}")
         index = document_store(encoder, dataset, replace(settings, backend=engine.backend))
         found = evaluate(encoder, dataset, replace(settings, backend=engine.backend, search=engine.search),
                          name=engine.name, store=index)
@@ -142,10 +144,14 @@ def model_record(name: str, encoder: Encoder, dataset: BeirDataset, engines: Seq
             if fitted is not None and engine.transform not in record["isotropy"][head]:
                 record["isotropy"][head][engine.transform] = token_isotropy(
                     apply_token_transform(points, *fitted), seed)
-    print(f"[engines] {name}: " + ", ".join(
-        f"{e} recall {r[f'recall@{depth}_vs_exact']['mean']:.3f}" for e, r in record["engines"].items()),
-        file=sys.stderr, flush=True)
+    say(f"{name}: " + ", ".join(
+        f"{e} recall {r[f'recall@{depth}_vs_exact']['mean']:.3f}" for e, r in record["engines"].items()))
     return record
+
+
+def say(line: str) -> None:
+    """A line of the study's progress on stderr: each model's stages take seconds to minutes, with no bar."""
+    print(f"[engines] {line}", file=sys.stderr, flush=True)
 
 
 def engine_study(models: Sequence[ModelSpec], dataset: BeirDataset, out: Path, *,
@@ -172,12 +178,13 @@ def engine_study(models: Sequence[ModelSpec], dataset: BeirDataset, out: Path, *
     records: dict[str, Any] = {}
     out.mkdir(parents=True, exist_ok=True)
     for spec in models:
+        say(f"{spec.column}: loading {spec.source}")
         encoder = load_model(spec, seed)
         identity = {"source": spec.source, "seed": spec.seed, "method": spec.method or spec.column,
                     "encoder_fingerprint": encoder_fingerprint(encoder)}
         old = previous.get(spec.column)
         if old is not None and all(old.get(key) == value for key, value in identity.items()):
-            print(f"[engines] {spec.column}: reused from {out / 'engines.json'}", file=sys.stderr, flush=True)
+            say(f"{spec.column}: reused from {out / 'engines.json'}")
             records[spec.column] = old
             continue
         with torch.inference_mode():
@@ -208,8 +215,7 @@ def reusable_models(path: Path, study: Mapping[str, Any]) -> dict[str, Any]:
     except ValueError:
         return {}
     if earlier.get("settings") != json.loads(json.dumps(study)):
-        print(f"[engines] {path}: made with other settings; every model is measured again", file=sys.stderr,
-              flush=True)
+        say(f"{path}: made with other settings; every model is measured again")
         return {}
     return dict(earlier.get("models") or {})
 
