@@ -35,6 +35,11 @@ def nway_ce_loss(scores: Tensor) -> Tensor:
     scores (B, N) -> scalar. N = 2 is ColBERT v1's pairwise loss (Khattab & Zaharia 2020); any N is ColBERTv2's
     ``nn.CrossEntropyLoss()(scores.view(-1, nway), zeros)`` (``colbert/training/training.py``) and PyLate's
     ``Contrastive`` restricted to each query's own documents.
+
+    A positive 2 above its negative costs ``log(1 + e^-2)`` = 0.127, a tie ``log 2`` = 0.693; the mean, 0.410:
+
+    >>> nway_ce_loss(torch.tensor([[2., 0.], [0., 0.]]))
+    tensor(0.4100)
     """
     _check_matrix("nway_ce_loss", scores)
     return F.cross_entropy(scores, torch.zeros(len(scores), dtype=torch.long, device=scores.device))
@@ -44,6 +49,9 @@ def pairwise_ce_loss(positive_scores: Tensor, negative_scores: Tensor) -> Tensor
     """L_late = CE(score(q, d+), score(q, d-)): :func:`nway_ce_loss` with N = 2 (ColBERT v1).
 
     positive_scores (B,), negative_scores (B,) -> scalar (mean over pairs).
+
+    >>> pairwise_ce_loss(torch.tensor([2., 0.]), torch.tensor([0., 0.]))  # as nway_ce_loss's example
+    tensor(0.4100)
     """
     return nway_ce_loss(torch.stack([positive_scores, negative_scores], dim=1))  # (B, 2)
 
@@ -54,6 +62,12 @@ def own_negative_columns(n_queries: int, n_documents: int, offset: int, n_column
 
     This rank's documents are columns ``offset .. offset + N B - 1``, document j of query i at ``offset + j B + i``
     (``hil.modeling.batch.RankingBatch``'s layout); True at ``offset + j B + i`` for j = 1 .. N - 1.
+
+    Two queries with a positive and a negative each: the positives in columns 0 and 1, the negatives in 2 and 3.
+
+    >>> own_negative_columns(2, 2, offset=0, n_columns=4)
+    tensor([[False, False,  True, False],
+            [False, False, False,  True]])
     """
     rows = torch.arange(n_queries, device=device)
     excluded = torch.zeros(n_queries, n_columns, dtype=torch.bool, device=device)
@@ -70,6 +84,15 @@ def in_batch_ce_loss(score_matrix: Tensor, offset: int = 0, excluded: Tensor | N
     ``excluded`` (B, C) bool: columns left out of query i's candidates (ColBERTv2's ``compute_ib_loss`` leaves out
     each query's own hard negatives, which its n-way loss already ranks: :func:`own_negative_columns`); None keeps
     every column (ColBERT v1 style in-batch negatives, this package's ``InBatchCE`` before n-way batches).
+
+    Each positive 5 above three negatives: ``log(1 + 3 e^-5)`` = 0.0200; its own negative left out, ``log(1 + 2
+    e^-5)`` = 0.0134.
+
+    >>> scores = torch.tensor([[5., 0., 0., 0.], [0., 5., 0., 0.]])
+    >>> in_batch_ce_loss(scores)
+    tensor(0.0200)
+    >>> in_batch_ce_loss(scores, excluded=own_negative_columns(2, 2, 0, 4))
+    tensor(0.0134)
     """
     _check_matrix("in_batch_ce_loss", score_matrix, least_columns=1)
     targets = offset + torch.arange(score_matrix.shape[0], device=score_matrix.device)  # (B,)
@@ -85,7 +108,11 @@ def in_batch_ce_loss(score_matrix: Tensor, offset: int = 0, excluded: Tensor | N
 
 def minmax_normalize(scores: Tensor) -> Tensor:
     """Each row scaled to [0, 1]: ``(s - min) / (max - min + 1e-8)`` (PyLate's ``Distillation`` with
-    ``normalize_scores=True``, its default, applied to the student's scores). scores (B, N) -> (B, N)."""
+    ``normalize_scores=True``, its default, applied to the student's scores). scores (B, N) -> (B, N).
+
+    >>> minmax_normalize(torch.tensor([[1., 3., 2.]]))
+    tensor([[0.0000, 1.0000, 0.5000]])
+    """
     low = scores.min(dim=1, keepdim=True).values
     high = scores.max(dim=1, keepdim=True).values
     return (scores - low) / (high - low + MINMAX_EPS)
@@ -104,6 +131,14 @@ def kl_distillation_loss(student_scores: Tensor, teacher_scores: Tensor, student
     PyLate (``pylate/losses/distillation.py``: ``log_softmax(labels)``) and Lightning IR's ``KLDivergence``.
     The temperatures: ColBERTv2 scales only the teacher (``distillation_alpha`` = 1 / T_t, default 1, T_s = 1);
     Hinton et al. (2015) divide both by one T.
+
+    Equal scores cost 0; a student indifferent between two documents the teacher tells apart by a wide margin
+    costs ``log 2``:
+
+    >>> kl_distillation_loss(torch.tensor([[1., 2.]]), torch.tensor([[1., 2.]]))
+    tensor(0.)
+    >>> kl_distillation_loss(torch.tensor([[0., 0.]]), torch.tensor([[0., 100.]]))
+    tensor(0.6931)
     """
     _check_matrix("kl_distillation_loss", student_scores)
     if teacher_scores.shape != student_scores.shape:
@@ -125,6 +160,11 @@ def margin_pairs(n_documents: int, pairs: MarginPairs, device: torch.device | No
     N (N - 1) / 2 of them (as Lightning IR's ``MarginMSE`` with ``margin="scores"``, which however keeps only the
     pairs the teacher does not tie). Both give the one pair (0, 1) when N = 2; the orientation of a pair does not
     change its squared error.
+
+    >>> margin_pairs(3, "first")
+    (tensor([0, 0]), tensor([1, 2]))
+    >>> margin_pairs(3, "all")
+    (tensor([0, 0, 1]), tensor([1, 2, 2]))
     """
     if pairs not in MARGIN_PAIRS:
         raise ValueError(f"margin pairs must be one of {MARGIN_PAIRS}, got {pairs!r}")
@@ -140,6 +180,14 @@ def margin_mse_loss(student_scores: Tensor, teacher_scores: Tensor, pairs: Margi
     Knowledge Distillation", Eq. 1): ``mean over pairs of ((s_a - s_b) - (t_a - t_b))^2``.
 
     student_scores, teacher_scores (B, N) -> scalar, the mean over the B x P pairs of :func:`margin_pairs`.
+
+    Student margin 2 where the teacher's is 1: (2 - 1)^2. Over all three pairs of (3, 1, 0) against (2, 1, 0), the
+    margins (2, 3, 1) against (1, 2, 1): (1 + 1 + 0) / 3.
+
+    >>> margin_mse_loss(torch.tensor([[3., 1.]]), torch.tensor([[2., 1.]]))
+    tensor(1.)
+    >>> margin_mse_loss(torch.tensor([[3., 1., 0.]]), torch.tensor([[2., 1., 0.]]), pairs="all")
+    tensor(0.6667)
     """
     _check_matrix("margin_mse_loss", student_scores)
     if teacher_scores.shape != student_scores.shape:
@@ -160,6 +208,9 @@ def pair_diagnostics(positive_scores: Tensor, negative_scores: Tensor) -> dict[s
 
     positive_scores (B,) with negative_scores (B,), or (B, 1) with (B, N - 1): each positive against each of its
     query's negatives. Ties do not count as ranked right.
+
+    >>> pair_diagnostics(torch.tensor([2., 0., 1.]), torch.tensor([1., 0., 3.]))  # right, tie, wrong
+    {'pair_accuracy': tensor(0.3333), 'score_margin': tensor(-0.3333)}
     """
     positive, negative = positive_scores.detach(), negative_scores.detach()
     return {"pair_accuracy": (positive > negative).float().mean(), "score_margin": (positive - negative).mean()}
@@ -174,7 +225,13 @@ def ranking_diagnostics(scores: Tensor) -> dict[str, Tensor]:
 
 def teacher_agreement(student_scores: Tensor, teacher_scores: Tensor) -> Tensor:
     """Share of each query's document pairs that the student orders as the teacher does (pairs the teacher ties
-    left out; a student tie counts as wrong). (B, N) twice -> scalar in [0, 1] (0 when the teacher ties all)."""
+    left out; a student tie counts as wrong). (B, N) twice -> scalar in [0, 1] (0 when the teacher ties all).
+
+    The student orders (0, 1) and (0, 2) as the teacher does, (1, 2) the other way:
+
+    >>> teacher_agreement(torch.tensor([[3., 1., 2.]]), torch.tensor([[3., 2., 1.]]))
+    tensor(0.6667)
+    """
     first, second = margin_pairs(student_scores.shape[1], "all", student_scores.device)
     student = (student_scores[:, first] - student_scores[:, second]).detach()
     teacher = (teacher_scores[:, first] - teacher_scores[:, second]).to(student.dtype)

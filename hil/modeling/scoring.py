@@ -29,6 +29,16 @@ def maxsim(queries: Tensor, docs: Tensor, doc_mask: Tensor | None = None) -> Ten
     """Per query token, the best match in the paired document: ``max_j E_qi . E_dj`` (inner term of Eq. 1).
 
     queries (B, Lq, D), docs (B, Ld, D), doc_mask (B, Ld) -> (B, Lq).
+
+    A query of two tokens (the axes) and a document of three (the last one padding): each query token's best
+    cosine, 1 (the second document token) and 0.8 (the first); with only the first document token, 0.6 and 0.8.
+
+    >>> query = torch.tensor([[[1., 0.], [0., 1.]]])
+    >>> document = torch.tensor([[[0.6, 0.8], [1., 0.], [0., 0.]]])
+    >>> maxsim(query, document)
+    tensor([[1.0000, 0.8000]])
+    >>> maxsim(query, document, doc_mask=torch.tensor([[True, False, False]]))
+    tensor([[0.6000, 0.8000]])
     """
     sim = torch.einsum("bqd,bkd->bqk", queries, docs)  # (B, Lq, Ld)
     return masked_max(sim, None if doc_mask is None else doc_mask[:, None, :])
@@ -61,11 +71,32 @@ def sum_query_tokens(token_scores: Tensor, query_mask: Tensor | None) -> Tensor:
 
 def late_interaction(queries: Tensor, docs: Tensor, query_mask: Tensor | None = None,
                      doc_mask: Tensor | None = None) -> Tensor:
-    """Eq. 1 of HIL (ColBERT): ``score(q, d) = sum_i max_j E_qi . E_dj`` for paired rows. -> (B,)"""
+    """Eq. 1 of HIL (ColBERT): ``score(q, d) = sum_i max_j E_qi . E_dj`` for paired rows. -> (B,)
+
+    The query and document of :func:`maxsim`: 1 + 0.8; with the query's second token masked out, 1.
+
+    >>> query = torch.tensor([[[1., 0.], [0., 1.]]])
+    >>> document = torch.tensor([[[0.6, 0.8], [1., 0.], [0., 0.]]])
+    >>> late_interaction(query, document)
+    tensor([1.8000])
+    >>> late_interaction(query, document, query_mask=torch.tensor([[True, False]]))
+    tensor([1.])
+    """
     return sum_query_tokens(maxsim(queries, docs, doc_mask), query_mask)
 
 
 def late_interaction_matrix(queries: Tensor, docs: Tensor, query_mask: Tensor | None = None,
                             doc_mask: Tensor | None = None) -> Tensor:
-    """Eq. 1 for every (query, document) pair. -> (Bq, Bd)"""
+    """Eq. 1 for every (query, document) pair. -> (Bq, Bd)
+
+    One query against two documents: the first as in :func:`late_interaction` (1.8); the second matches the query's
+    second token exactly and nothing of its first (0 + 1). A document with no token left scores 0.
+
+    >>> query = torch.tensor([[[1., 0.], [0., 1.]]])
+    >>> documents = torch.tensor([[[0.6, 0.8], [1., 0.]], [[0., 1.], [0., 0.]]])
+    >>> late_interaction_matrix(query, documents)
+    tensor([[1.8000, 1.0000]])
+    >>> late_interaction_matrix(query, documents, doc_mask=torch.tensor([[True, True], [False, False]]))
+    tensor([[1.8000, 0.0000]])
+    """
     return sum_query_tokens(maxsim_matrix(queries, docs, doc_mask), query_mask)
