@@ -67,15 +67,6 @@ def resolve_data_file(name_or_path: str | os.PathLike, data_dir: str | os.PathLi
 CONFIGS_DIR = Path(__file__).resolve().parent / "configs"  # the YAML recipes, installed with the package
 
 
-def config_names() -> list[str]:
-    """The names ``resolve_config`` accepts: each YAML file under the package's configs, without ``.yaml``, by its
-    path (``variants/colbert_hil``) and, when that is unique, by its bare name (``colbert_hil``)."""
-    files = sorted(CONFIGS_DIR.rglob("*.yaml"))
-    stems = [f.stem for f in files]
-    names = [str(f.relative_to(CONFIGS_DIR).with_suffix("")) for f in files]
-    return names + [stem for stem in stems if stems.count(stem) == 1 and stem not in names]
-
-
 def resolve_config(value: str) -> str:
     """A ``--config`` value: an existing file as given, else a recipe of the package named ``colbert``,
     ``colbert_hil``, ``variants/colbert_hil``, ``presets/smoke`` (``.yaml`` optional); anything else unchanged (the

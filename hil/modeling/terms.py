@@ -74,10 +74,6 @@ class Term(nn.Module, metaclass=ABCMeta):
         """What is recorded in checkpoints and exports."""
         return {"class": f"{type(self).__module__}.{type(self).__qualname__}", "weight": self.weight}
 
-    @property
-    def log_name(self) -> str:
-        return snake_case(type(self).__name__)
-
 
 TrainingLoss = Term  # the name before the objective became a list of terms
 
