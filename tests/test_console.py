@@ -129,7 +129,7 @@ def test_hil_index_and_search(tiny, tmp_path, capsys):
     # one copy of the run: the records' run file is the same file (a hard link), also after a rerun reusing it
     (kept,) = (tmp_path / "run.trec.parts").glob("*.trec")
     assert os.path.samefile(kept, tmp_path / "run.trec") and os.stat(kept).st_nlink == 2
-    assert hil_main(["search", *common, "--output", str(tmp_path / "run.trec")]) == 0
+    assert hil_main(["search", *common, "--output", str(tmp_path / "run.trec"), "--overwrite"]) == 0
     assert (tmp_path / "run.trec").read_text().splitlines() == lines
     assert os.path.samefile(kept, tmp_path / "run.trec")
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []

@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import textwrap
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
@@ -40,21 +41,79 @@ DELEGATED = ("beir", "paper", "teacher", "engines", "analyze", "share")  # hil.c
 TRAINING = ("fit", "validate", "test", "predict")
 
 
-def experiment_parser(prog: str) -> ArgumentParser:
-    """An :class:`Experiment` from YAML and options, with ``--model`` / ``--dataset`` shortcuts."""
-    from hil.evaluation.experiment import Experiment
+# What each command is for (its --help's first lines), and the experiment's options it does not take: every option
+# a command lists is one it honours (hil index writes no results and compares no numbers; hil search writes one
+# run file, with neither a baseline nor statistics).
+COMMAND_DESCRIPTIONS = {
+    "evaluate": "hil evaluate: measure models on datasets (datasets x models under one set of evaluation settings), "
+                "beside BM25 or a first-stage run, with bootstrap intervals and paired tests; writes metrics.json, "
+                "per_query.json and each column's <name>.json and <name>.trec into --output.",
+    "index": "hil index: build the index of one model over one dataset's corpus (the slice --max_docs / "
+             "--max_queries give) under --settings.index_root, or check and reuse it, and print where it is. "
+             "hil search and hil evaluate given the same model, dataset, slice and build-time settings search "
+             "this index.",
+    "search": "hil search: rank one dataset's queries with one model and write the run as a TREC file "
+              "(--output). It searches the index hil index built for the same model, dataset, slice and "
+              "build-time settings (or builds it).",
+}
+NOT_TAKEN = {
+    "evaluate": {"command", "settings.keep_head_scores", "settings.keep_candidate_sources"},
+    "index": {"command", "output", "statistics", "baseline", "folders", "resume", *(f"settings.{key}" for key in (
+        "mode", "k", "metrics", "drop_self_matches", "search", "backend_params", "ncandidates", "rerank_depth",
+        "query_batch_size", "batched_search", "query_encoding", "keep_candidate_sources", "keep_head_scores"))},
+    "search": {"command", "output", "statistics", "baseline", "folders", "settings.keep_head_scores",
+               "settings.keep_candidate_sources"},
+}
+SLICE_HELP = {
+    "evaluate": {"docs": "a seeded slice of every dataset's documents (judged ones kept; a dataset's own max_docs "
+                         "wins)",
+                 "queries": "a seeded slice of every dataset's queries (a dataset's own max_queries wins)"},
+    "index": {"docs": "index a seeded slice of the documents (those judged for the slice's queries kept); give hil "
+                      "search the same slice to search this index",
+              "queries": "the slice's queries: the documents judged for them are always in the index (give hil "
+                         "search the same)"},
+    "search": {"docs": "a seeded slice of the documents searched (judged ones kept; hil index with the same slice "
+                       "built its index)",
+               "queries": "a seeded slice of the queries ranked"},
+}
+EVALUATE_OUTPUT = "results/hil-evaluate"
 
-    parser = CommandParser(prog=prog, description=__doc__.split("\n\n")[0])
+
+def experiment_parser(prog: str, command: str = "evaluate") -> ArgumentParser:
+    """An :class:`Experiment` from YAML and options, with ``--model`` / ``--dataset`` shortcuts, listing only the
+    options ``command`` (``evaluate``, ``index``, ``search``) honours (:data:`NOT_TAKEN`)."""
+    from hil.evaluation.experiment import Experiment
+    from hil.evaluation.settings import EvaluationSettings
+
+    parser = CommandParser(prog=prog, description=textwrap.fill(COMMAND_DESCRIPTIONS[command], 100))
+    one = command in ("index", "search")
     parser.add_argument("--model", type=str, default=[], action="append",
-                        help="add a model (a path, a hub id, NAME=PATH); repeatable")
+                        help="the model (a path, a hub id, NAME=PATH)" if one else
+                             "add a model (a path, a hub id, NAME=PATH); repeatable")
     parser.add_argument("--dataset", type=str, default=[], action="append",
-                        help="add a dataset (a BEIR name or folder, irds:<id>); repeatable")
-    for option, what in (("docs", "documents (judged ones kept)"), ("queries", "queries")):
-        parser.add_argument(f"--max_{option}", type=Optional[int],
-                            default=None, help=f"a seeded slice of every dataset's {what} (a dataset's own "
-                                               f"max_{option} wins)")
+                        help="the dataset (a BEIR name or folder, irds:<id>)" if one else
+                             "add a dataset (a BEIR name or folder, irds:<id>); repeatable")
+    for option in ("docs", "queries"):
+        parser.add_argument(f"--max_{option}", type=Optional[int], default=None, help=SLICE_HELP[command][option])
+    if command == "evaluate":
+        parser.add_argument("--output", type=str, default=EVALUATE_OUTPUT,
+                            help="the results folder: metrics.json, per_query.json, <column>.json and <column>.trec "
+                                 "(per dataset in <output>/<dataset>/ unless --folders flat). Columns there made "
+                                 "with the same settings are kept; another evaluation's columns in it are kept "
+                                 "beside this one's")
+    elif command == "search":
+        parser.add_argument("--output", type=str, required=True,
+                            help="the TREC run file written (one line per ranked document); an existing file is "
+                                 "refused unless --overwrite. The records that let a rerun reuse the ranking go to "
+                                 "<output>.parts/")
+        parser.add_argument("--overwrite", action="store_true",
+                            help="replace the run file --output when it is there")
     parser.add_class_arguments(Experiment, nested_key=None, fail_untyped=False,
-                               default={"datasets": [], "models": [], "output": "results/hil-evaluate"})
+                               skip={"output", "settings", *NOT_TAKEN[command]}, default={"datasets": [], "models": []})
+    # a group of its own: jsonargparse skips a nested dataclass's keys only when it is added by itself
+    parser.add_class_arguments(EvaluationSettings, "settings", fail_untyped=False,
+                               skip={key.removeprefix("settings.") for key in NOT_TAKEN[command]
+                                     if key.startswith("settings.")})
     return parser
 
 
@@ -68,13 +127,22 @@ def with_slices(dataset: Any, slices: dict[str, int | None]) -> dict[str, Any]:
                         if value is not None and entry.get(key) is None}}
 
 
-def parse_experiment(argv: list[str], prog: str, *, run_file: bool = False) -> Experiment:
-    """The experiment ``argv`` describes; with ``--print_config`` it is printed as YAML (``--model`` / ``--dataset``
-    folded into ``models`` / ``datasets``, so that the output given back as ``--config`` is the same experiment) and
-    :class:`SystemExit` (0) ends the command. ``run_file``: ``--output`` names a run file (``hil search``), checked
-    as a file; the experiment writes its records into ``<output>.parts/``."""
+def parse_experiment(argv: list[str], prog: str, *, command: str = "evaluate") -> Experiment:
+    """The experiment ``argv`` describes to ``command`` (``evaluate``, ``index``, ``search``: each its own options,
+    :func:`experiment_parser`); with ``--print_config`` it is printed as YAML (``--model`` / ``--dataset`` folded
+    into ``models`` / ``datasets``, so that the output given back as ``--config`` is the same experiment) and
+    :class:`SystemExit` (0) ends the command."""
+    return parse_command(argv, prog, command)[0]
+
+
+def parse_command(argv: list[str], prog: str, command: str) -> tuple[Experiment, dict[str, Any]]:
+    """:func:`parse_experiment`, and the options that are the command's own, not the experiment's (``hil search``'s
+    ``overwrite``). Every output is checked before any work (:func:`hil.errors.check_output_path`): ``hil search``'s
+    ``--output`` is a run file, refused when it is there unless ``--overwrite`` (the experiment writes its records
+    into ``<output>.parts/``); ``hil index`` writes nothing but the index, so its experiment's output is the index
+    root (never written into: a dataset's files are written only when a column is)."""
     printing = "--print_config" in argv  # printed below, with --model / --dataset folded in
-    parser = experiment_parser(prog)
+    parser = experiment_parser(prog, command)
     config = parser.parse_args([arg for arg in argv if arg != "--print_config"])
     argv = parser.argv  # --config recipes resolved to their files
     for value in config.pop("model") or []:
@@ -93,16 +161,26 @@ def parse_experiment(argv: list[str], prog: str, *, run_file: bool = False) -> E
             dumped.pop(shortcut, None)
         print(parser.dump(dumped, skip_validation=True))
         raise SystemExit(0)
+    if command == "index" and config.settings.index_root is None:
+        raise UserError("hil index writes an index: give --settings.index_root")
     fields = {key: value for key, value in vars(parser.instantiate(config)).items()
               if key not in ("config", "model", "dataset", *SLICE_SHORTCUTS) and not key.startswith("__")}
+    own = {key: fields.pop(key) for key in ("overwrite",) if key in fields}
     if not fields["datasets"]:
         raise UserError("no dataset: give --dataset NAME or datasets in a --config file")
-    if run_file:
-        check_output_path(fields["output"], "--output", folder=False)
-        fields["output"] = f"{fields['output']}.parts"
+    if command == "search":
+        run_file = Path(fields["output"])
+        check_output_path(run_file, "--output", folder=False)
+        if run_file.exists() and not own["overwrite"]:
+            raise UserError(f"--output {run_file}: the file is there; give --overwrite to replace it, or another "
+                            "path")
+        own["run_file"] = run_file
+        fields["output"] = f"{run_file}.parts"
+    elif command == "index":
+        fields["output"] = fields["settings"].index_root
     from hil.evaluation.experiment import Experiment
 
-    return Experiment(**{**fields, "command": {"argv": argv}})
+    return Experiment(**{**fields, "command": {"argv": argv}}), own
 
 
 def evaluate_command(argv: list[str]) -> int:
@@ -114,7 +192,10 @@ def evaluate_command(argv: list[str]) -> int:
     for result in run_experiment(experiment):
         dataset = result.dataset
         print(f"\n{dataset.name} ({dataset.split}: {len(dataset.queries)} queries, {len(dataset.corpus)} documents)")
-        print(format_table(result.evaluations()))
+        print(format_table([*result.evaluations(), *(column.as_evaluation() for column in result.others)]))
+        if result.others:
+            print(f"(also in metrics.json: {', '.join(column.name for column in result.others)}, written into "
+                  f"{result.metrics_path.parent} by another evaluation with the same settings)")
         if result.statistics is not None:
             print("\n" + format_statistics(result.statistics))
         print(f"wrote {result.metrics_path}")
@@ -129,20 +210,26 @@ def single(experiment: Experiment, what: str) -> tuple[ModelSpec, DatasetSpec, E
 
 
 def index_command(argv: list[str]) -> int:
-    """Build the index of one model over one dataset's corpus (or check and reuse it); print where it is."""
-    experiment = parse_experiment(argv, f"{PROG} index")
-    from hil.data.beir import load_beir
+    """Build the index of one model over one dataset's corpus (or check and reuse it); print where it is. The
+    dataset is loaded and sliced as ``hil search`` and ``hil evaluate`` load and slice it
+    (:class:`~hil.evaluation.runner.DatasetRun`), and the model given the IDF they give it, so that the index is
+    theirs: the same corpus and encoder fingerprints, the same folder."""
+    experiment = parse_experiment(argv, f"{PROG} index", command="index")
+    model, dataset_spec, _ = single(experiment, "hil index")
+    if model.transforms:
+        raise UserError(f"hil index builds the index of the model itself; a post-hoc transform's "
+                        f"({', '.join(model.transforms)}) is derived from it by hil evaluate: give the transforms "
+                        "there")
     from hil.evaluation.evaluate import document_store, place_encoder
-    from hil.evaluation.runner import load_model
+    from hil.evaluation.runner import DatasetRun, load_model, set_corpus_idf
 
-    model, dataset_spec, settings = single(experiment, "hil index")
-    if settings.index_root is None:
-        raise UserError("hil index writes an index: give --settings.index_root")
-    dataset = load_beir(dataset_spec.name, split=dataset_spec.split, data_dir=experiment.data_dir)
+    part = DatasetRun(experiment, dataset_spec)
     encoder = load_model(model, experiment.seed)
-    place_encoder(encoder, settings)
-    index = document_store(encoder, dataset, settings)
-    print(f"{index.directory}: {index.n_docs} documents, {index.n_tokens} tokens, "
+    if model.idf == "corpus":
+        set_corpus_idf(encoder, part.dataset, model.source)
+    place_encoder(encoder, part.settings)
+    index = document_store(encoder, part.dataset, part.settings)
+    print(f"{index.directory} ({index.how_opened}): {index.n_docs} documents, {index.n_tokens} tokens, "
           f"backend {index.backend_settings['kind']} {index.backend_settings['params']}")
     return 0
 
@@ -151,26 +238,39 @@ def search_command(argv: list[str]) -> int:
     """One model's ranking of one dataset's queries, written as a TREC run (``--output`` is the run file; the
     experiment's column files, which let a rerun with the same settings reuse the ranking, go to
     ``<output>.parts/``, whose run is the same file as ``--output``: a hard link, not a second copy)."""
-    experiment = parse_experiment(argv, f"{PROG} search", run_file=True)
+    experiment, own = parse_command(argv, f"{PROG} search", "search")
+    model, _, _ = single(experiment, "hil search")
+    if len(model.transforms) > 1:
+        raise UserError(f"hil search writes one run: give it one transform at most (got {len(model.transforms)}; "
+                        "hil evaluate measures several)")
     from hil.evaluation.runner import run_experiment
 
-    single(experiment, "hil search")
-    folder = Path(experiment.output)
-    run_file = folder.with_name(folder.name[: -len(".parts")])
+    folder, run_file = Path(experiment.output), own["run_file"]
     (result,) = run_experiment(replace(experiment, folders="flat", baseline=False,
                                        statistics=replace(experiment.statistics, enabled=False)))
     column = result.columns[-1]
-    link_run(folder / f"{column.name}.trec", run_file)
+    link_run(folder / f"{column.name}.trec", run_file, overwrite=own["overwrite"])
     print(f"wrote {run_file} ({column.name}: nDCG@10 {column.record['metrics'].get('ndcg@10', float('nan')):.4f}; "
           f"the records that let a rerun reuse it: {folder}/)")
     return 0
 
 
-def link_run(source: Path, run_file: Path) -> None:
+def link_run(source: Path, run_file: Path, *, overwrite: bool = True) -> None:
     """``run_file`` becomes the same file as ``source`` (a hard link, replacing what was there atomically); a copy
-    where the file system has no hard links."""
+    where the file system has no hard links. Without ``overwrite`` the link is created only where nothing is (it was
+    checked absent when the command started): a file another process wrote there meanwhile is refused, not
+    replaced."""
     if run_file.exists() and os.path.samefile(source, run_file):
         return  # a rerun that reused the ranking (rename() between two links of one file would do nothing)
+    if not overwrite:
+        try:
+            os.link(source, run_file)  # fails, atomically, when the name is taken
+            return
+        except FileExistsError:
+            raise UserError(f"--output {run_file}: written by another process while this search ran; this "
+                            f"ranking is kept in {source} (give --overwrite to replace the file)") from None
+        except OSError:
+            pass  # no hard links here: a copy, renamed into place below
     staging = run_file.with_name(f".{run_file.name}.{os.getpid()}.tmp")
     staging.unlink(missing_ok=True)
     try:

@@ -198,6 +198,8 @@ class Experiment:
             raise UserError("folders='flat' writes one dataset's files into the output folder: give one dataset")
         if not self.datasets:
             raise UserError("an experiment needs at least one dataset")
+        if self.models and self.settings.index_root is not None:  # every model's documents go into an index there
+            check_output_path(self.settings.index_root, "settings.index_root", folder=True)
         check_output_path(self.output, "output", folder=True)
         names = [model.column for model in self.models]
         for name in names:

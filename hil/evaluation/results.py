@@ -7,14 +7,18 @@ that made them (docs/design.md: settings travel with artifacts).
 Results files are written whole and by one process at a time: every file goes through a temporary name and a rename
 (:func:`hil.provenance.atomic_output`), ``metrics.json`` last, all under the folder's lock file
 (:data:`RESULTS_LOCK`, :func:`hil.provenance.file_lock`), so two evaluations writing the same folder at once leave
-the complete files of one of them, never a mix within a file, and a killed writer leaves the previous files.
+complete files, never a mix within a file, and a killed writer leaves the previous files. Under that lock the
+experiment runner reads the folder's ``metrics.json`` before writing it and keeps the other evaluation's columns
+measured in the same context (:func:`other_columns`): two evaluations of different models into one folder, side by
+side, leave one ``metrics.json`` holding both.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 import numpy as np
 
@@ -169,6 +173,35 @@ def write_results(directory: str | Path, dataset: BeirDataset, evaluations: list
         write_json_atomic(directory / "per_query.json", {e.name: e.per_query for e in evaluations})
         write_json_atomic(directory / "metrics.json", record)  # last: complete results are those it names
     return directory / "metrics.json"
+
+
+def other_columns(directory: str | Path, own: Collection[str],
+                  context: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """The columns that ``directory``'s ``metrics.json`` holds besides ``own`` (another evaluation's, into the same
+    folder), split by their records (``<name>.json``): -> those whose identity, its ``column`` part aside, is
+    ``context`` (the same dataset slice and settings: they compare with this evaluation's), by name; and the names
+    of the others (measured otherwise, or whose record is gone). Call it under the folder's lock."""
+    directory = Path(directory)
+    try:
+        named = json.loads((directory / "metrics.json").read_text(encoding="utf-8"))["results"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}, []  # no results yet (or not this package's): nothing to keep
+    kept: dict[str, dict[str, Any]] = {}
+    left_out: list[str] = []
+    for name in named:
+        if name in own:
+            continue
+        try:
+            record = json.loads((directory / f"{name}.json").read_text(encoding="utf-8"))
+            identity = {key: value for key, value in record["identity"].items() if key != "column"}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            left_out.append(name)
+            continue
+        if identity == context:
+            kept[name] = record
+        else:
+            left_out.append(name)
+    return kept, left_out
 
 
 def format_table(evaluations: list[Evaluation], metrics: Sequence[str] | None = None) -> str:

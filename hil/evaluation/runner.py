@@ -12,8 +12,14 @@ An :class:`Experiment` says what to measure; :func:`run_experiment` measures it 
 Columns: the baseline (BM25, or the dataset's first-stage run file scored as given), then each model, then each
 model under each post-hoc transform. Re-ranking takes its candidates from the baseline. A column whose
 ``<column>.json`` records the same identity -- dataset fingerprint and slice, model fingerprint, and the settings
-that change the numbers (:func:`column_identity`) -- is kept; any other is recomputed. Device, processes, batch
-sizes and folders change how fast, not what, and are not part of an identity.
+that change the numbers (:mod:`hil.evaluation.identity`) -- is kept; any other is recomputed. Device, processes,
+batch sizes and folders change how fast, not what, and are not part of an identity.
+
+Two evaluations into one folder at once (or one after the other) keep both: ``metrics.json`` is read, merged and
+written under the folder's lock, holding the other's columns measured on the same dataset slice with the same
+settings beside this one's (:func:`finish_dataset`); a column of the same name that another evaluation running at
+the same time wrote otherwise (another model, other settings) is refused, not overwritten
+(:meth:`DatasetRun.refuse_another_runs`).
 
 Every entry point describes its experiment and calls this: ``evaluate.py`` / ``hil evaluate`` (one dataset, in
 ``output`` itself), ``hil beir`` (:mod:`hil.experiments.beir`: every BEIR set, ``output/<dataset>/``), the paper
@@ -27,7 +33,8 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import asdict, dataclass, replace
+import time
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
@@ -41,13 +48,15 @@ from hil.evaluation.evaluate import (Evaluation, EvaluationSettings, evaluate, e
                                      evaluate_transformed, first_stage, subset_with_first_stage)
 from hil.evaluation.experiment import (BASELINE, DatasetSpec, Experiment, ModelSpec, StatisticsSettings,
                                        column_name)
-from hil.evaluation.results import dataset_record, evaluation_statistics, write_results
+from hil.evaluation.identity import (baseline_identity, dataset_identity, differences, evaluation_identity,
+                                     normalized, run_file_of)
+from hil.evaluation.results import RESULTS_LOCK, dataset_record, evaluation_statistics, other_columns, write_results
 from hil.evaluation.runs import write_trec_run
 from hil.evaluation.seeds import seed_table
 from hil.modeling.contracts import Encoder
 from hil.modeling.hil import HILEncoder
 from hil.modeling.loading import load_encoder, split_ensemble_source
-from hil.provenance import fingerprint_strings, provenance, write_json_atomic
+from hil.provenance import file_lock, provenance, write_json_atomic
 from hil.retrieval.encoding import eval_mode
 from hil.retrieval.index import encoder_fingerprint
 
@@ -56,61 +65,6 @@ logger = logging.getLogger(__name__)
 # The experiment's settings classes are re-exported: an entry point imports what it needs from here.
 __all__ = ["BASELINE", "Column", "ColumnHooks", "DatasetResult", "DatasetRun", "DatasetSpec", "Experiment", "ModelSpec",
            "StatisticsSettings", "column_name", "run_experiment"]
-
-
-
-# -- identities: what a column's numbers depend on ----------------------------------------------------------------
-
-def normalized(value: Any) -> Any:
-    """``value`` as it reads back from JSON (tuples become lists), so that identities compare."""
-    return json.loads(json.dumps(value, default=str))
-
-
-def differences(old: Any, new: Any, prefix: str = "") -> list[str]:
-    """Dotted keys whose values differ between two identities."""
-    if not isinstance(old, dict) or not isinstance(new, dict):
-        return [prefix.rstrip(".") or "identity"] if old != new else []
-    return [key for name in sorted(set(old) | set(new))
-            for key in differences(old.get(name), new.get(name), f"{prefix}{name}.")]
-
-
-def dataset_identity(dataset: BeirDataset, spec: DatasetSpec, seed: int) -> dict[str, Any]:
-    return {"name": dataset.name, "split": dataset.split, "fingerprint": dataset.fingerprint(),
-            "relevance_level": dataset.relevance_level, "judged_outside_corpus": dataset.judged_outside_corpus,
-            "slice": {"max_queries": spec.max_queries, "max_docs": spec.max_docs,
-                      "seed": seed if spec.max_queries or spec.max_docs else None}}
-
-
-def baseline_identity(run_file: Path | None, settings: EvaluationSettings, depth: int) -> dict[str, Any]:
-    """The baseline column: a run file's content, or BM25 and its depth."""
-    if run_file is not None:
-        return {"run_file": run_file.name, "fingerprint": fingerprint_strings(run_file.read_text().splitlines())}
-    return {"bm25": "hil.data.bm25", "k": max(settings.k, depth)}
-
-
-def run_file_of(path: str, dataset: BeirDataset) -> Path:
-    """A first-stage run file: the path as given, else, for a relative path that is not there, the file of that
-    name in the dataset's own folder (``bm25-top100.trec`` of ``msmarco/dl19``)."""
-    given = Path(path).expanduser()
-    beside = Path(dataset.source) / path
-    if not given.exists() and not given.is_absolute() and beside.is_file():
-        return beside
-    return given
-
-
-def evaluation_identity(settings: EvaluationSettings, baseline: dict[str, Any], depth: int) -> dict[str, Any]:
-    """The settings that change a model's numbers: mode, k, metrics, self-match rule, precision and document
-    encoding; full ranking adds the back-end's build-time and search-time settings, re-ranking the first stage."""
-    identity: dict[str, Any] = {"mode": settings.mode, "k": settings.k, "metrics": list(settings.metrics),
-                                "drop_self_matches": settings.drop_self_matches, "precision": settings.precision,
-                                "document_encoding": settings.document_encoding}
-    if settings.mode == "full":
-        identity.update(backend=settings.backend.record(), search=settings.resolved_search.record())
-        if settings.query_encoding is not None:  # only when set: identities made before it existed stay valid
-            identity["query_encoding"] = settings.query_encoding
-    if settings.mode == "rerank" or baseline.get("run_file"):
-        identity.update(rerank_depth=depth, first_stage=baseline)
-    return identity
 
 
 # -- the columns of one dataset -------------------------------------------------------------------------------
@@ -155,10 +109,14 @@ class ColumnHooks(Protocol):
 
 
 class DatasetRun:
-    """One dataset of an experiment: loads it, computes or keeps each column, writes its files."""
+    """One dataset of an experiment: loads it, computes or keeps each column, writes its files. ``started``
+    (``time.time_ns()``, default: now): when the experiment started; a column file written after it with another
+    identity was written by another evaluation running at the same time (:meth:`refuse_another_runs`)."""
 
-    def __init__(self, experiment: Experiment, spec: DatasetSpec, hooks: ColumnHooks | None = None):
+    def __init__(self, experiment: Experiment, spec: DatasetSpec, hooks: ColumnHooks | None = None,
+                 started: int | None = None):
         self.experiment, self.spec, self.hooks = experiment, spec, hooks
+        self.started = time.time_ns() if started is None else started
         self.folder = Path(experiment.output) if experiment.folders == "flat" else \
             Path(experiment.output) / spec.folder_key
         settings = experiment.settings
@@ -216,7 +174,10 @@ class DatasetRun:
     def finished(self, name: str, identity: dict[str, Any]) -> dict[str, Any] | None:
         """The record of column ``name`` when it was made with ``identity``, else None (saying why it is redone)."""
         path = self.folder / f"{name}.json"
-        if not self.experiment.resume or not path.is_file():
+        if not path.is_file():
+            return None
+        self.refuse_another_runs(name, identity)
+        if not self.experiment.resume:
             return None
         try:
             record = json.loads(path.read_text(encoding="utf-8"))
@@ -229,11 +190,34 @@ class DatasetRun:
             return None
         return record
 
+    def refuse_another_runs(self, name: str, identity: dict[str, Any]) -> None:
+        """Refuse column ``name`` when another evaluation running at the same time wrote it into this folder with
+        another identity (another model of the same name, other settings): one of the two would be lost. Written
+        before this experiment started, it is an earlier result, recomputed as any column whose settings changed."""
+        path = self.folder / f"{name}.json"
+        try:
+            if path.stat().st_mtime_ns < self.started:
+                return
+            changed = differences(json.loads(path.read_text(encoding="utf-8")).get("identity"), normalized(identity))
+        except (OSError, ValueError, AttributeError):
+            return  # gone, or not a record: nothing of another run's to keep
+        if changed:
+            raise UserError(f"column {name!r} in {self.folder}: another evaluation running now wrote it with another "
+                            f"model or settings ({', '.join(changed[:3])}); name this model otherwise "
+                            "(--model NAME=PATH) or give another --output")
+
     def save(self, name: str, evaluation: Evaluation, identity: dict[str, Any], model: dict[str, Any],
              encoder: Encoder | None = None, extras: dict[str, Any] | None = None) -> Column:
-        """The run, then the column's record (its presence marks the column finished), both atomically;
-        ``extras``: more keys for the record (:class:`ColumnHooks`)."""
+        """The run, then the column's record (its presence marks the column finished), both atomically and under
+        the folder's lock, refused when another evaluation running now wrote that column otherwise
+        (:meth:`refuse_another_runs`); ``extras``: more keys for the record (:class:`ColumnHooks`)."""
         self.folder.mkdir(parents=True, exist_ok=True)
+        with file_lock(self.folder / RESULTS_LOCK, what="writing results"):
+            self.refuse_another_runs(name, identity)
+            return self._write_column(name, evaluation, identity, model, encoder, extras)
+
+    def _write_column(self, name: str, evaluation: Evaluation, identity: dict[str, Any], model: dict[str, Any],
+                      encoder: Encoder | None, extras: dict[str, Any] | None) -> Column:
         write_trec_run(self.folder / f"{name}.trec", evaluation.run, tag=name)
         record = provenance(self.experiment.command, identity=normalized(identity),
                             dataset=dataset_record(self.dataset), model=model, metrics=evaluation.aggregate,
@@ -276,7 +260,6 @@ class DatasetRun:
         if spec.idf == "corpus":
             set_corpus_idf(encoder, self.dataset, spec.source)
         fingerprint = encoder_fingerprint(encoder)
-        evaluation_id = evaluation_identity(settings, self.baseline_id, self.depth)
         column = spec.column_for(encoder.architecture, settings.mode)
         model = {"name": column, "source": spec.source, "fingerprint": fingerprint,
                  "architecture": encoder.architecture, "settings": encoder.settings(), "idf": spec.idf}
@@ -284,9 +267,7 @@ class DatasetRun:
         if spec.seed is not None:  # two seeds never share a column, even of one (e.g. untrained) model
             model_id["seed"] = spec.seed
             model.update(seed=spec.seed, method=spec.method_name)
-        identity = {"dataset": self.identity, "column": model_id, "evaluation": evaluation_id}
-        if self.hooks is not None:
-            identity["extras"] = self.hooks.identity(self)
+        identity = {**self.model_context(), "column": model_id}
         record = self.finished(column, identity)
         if record is None:
             experiment.log(f"evaluate {column} on {self.dataset.name} ({len(self.dataset.queries)} queries, "
@@ -319,9 +300,20 @@ class DatasetRun:
                     max_tokens=spec.transform_max_tokens, seed=experiment.seed, name=name,
                     candidates=self._candidates())
             yield self.save(name, evaluation, transform_id, {**model, "name": name, "transform": fitted,
+                                                             "plain_column": column,
                                                              "settings": transformed.settings(),
                                                              "fingerprint": encoder_fingerprint(transformed)},
                             transformed, self._extras(name, evaluation, transformed))
+
+    def model_context(self) -> dict[str, Any]:
+        """A model column's identity but the column itself: the dataset slice, the settings that change the numbers
+        and the hooks' (:func:`evaluation_identity`, :meth:`ColumnHooks.identity`). Columns measured in one context
+        compare: one ``metrics.json`` holds them."""
+        context = {"dataset": self.identity,
+                   "evaluation": evaluation_identity(self.settings, self.baseline_id, self.depth)}
+        if self.hooks is not None:
+            context["extras"] = self.hooks.identity(self)
+        return context
 
     def _candidates(self) -> dict[str, list[str]] | None:
         return self.candidates if self.settings.mode != "full" else None
@@ -365,13 +357,16 @@ def load_model(spec: ModelSpec, seed: int) -> Encoder:
 
 @dataclass
 class DatasetResult:
-    """One dataset's columns (baseline first) and statistics, and where they were written."""
+    """One dataset's columns (baseline first) and statistics, and where they were written; ``others``: the columns
+    of other evaluations into the same folder that ``metrics.json`` (and the statistics) hold beside them
+    (:func:`finish_dataset`)."""
 
     key: str
     dataset: BeirDataset
     columns: list[Column]
     statistics: dict[str, Any] | None
     metrics_path: Path
+    others: list[Column] = field(default_factory=list)
 
     def evaluations(self) -> list[Evaluation]:
         return [column.as_evaluation() for column in self.columns]
@@ -393,10 +388,11 @@ def run_experiment(experiment: Experiment, on_dataset: Callable[[DatasetResult],
     for spec in experiment.datasets:  # a misspelled dataset or a missing folder: refused before any model loads
         if not is_irds_name(spec.name):
             dataset_source(spec.name, experiment.data_dir)
+    started = time.time_ns()  # a column written after this by another evaluation is not overwritten silently
     encoders = {spec.column: load_model(spec, experiment.seed) for spec in experiment.models}
     results = []
     for spec in experiment.datasets:
-        part = DatasetRun(experiment, spec, hooks)
+        part = DatasetRun(experiment, spec, hooks, started)
         columns = []
         baseline = part.baseline()
         if baseline is not None:
@@ -423,7 +419,34 @@ def run_experiment(experiment: Experiment, on_dataset: Callable[[DatasetResult],
 
 def finish_dataset(experiment: Experiment, part: DatasetRun, columns: list[Column], baseline: str | None,
                    transforms_of: dict[str, str]) -> DatasetResult:
-    """Statistics over the dataset's columns and its ``metrics.json`` / ``per_query.json``."""
+    """Statistics over the dataset's columns and its ``metrics.json`` / ``per_query.json``, read, merged and written
+    under the folder's lock: the columns another evaluation (earlier, or running at the same time) put into this
+    folder's ``metrics.json`` stay in it beside this one's when they were measured in the same context (the dataset
+    slice and settings, :meth:`DatasetRun.model_context`), so that two evaluations into one folder keep both; the
+    others are left out, and said."""
+    with file_lock(part.folder / RESULTS_LOCK, what="writing results"):
+        found, left_out = other_columns(part.folder, {column.name for column in columns},
+                                        normalized(part.model_context()))
+        others = [Column(name, record) for name, record in found.items()]
+        if others:
+            experiment.log(f"{part.folder}/metrics.json: also holds {', '.join(found)} (another evaluation's "
+                           "columns in this folder, measured on the same dataset with the same settings)")
+        if left_out:
+            experiment.log(f"{part.folder}/metrics.json: left out {', '.join(left_out)}, measured on another slice "
+                           "or with other settings (their <name>.json and .trec stay)")
+        names = {column.name for column in [*columns, *others]}
+        for column in others:  # a transform column is compared with its plain model's, when that is here
+            plain = column.record.get("model", {}).get("plain_column")
+            if plain in names:
+                transforms_of = {**transforms_of, column.name: plain}
+        path, statistics = write_dataset_results(experiment, part, [*columns, *others], baseline, transforms_of)
+    experiment.log(f"wrote {part.folder}/: metrics.json, per_query.json; per column <name>.json and <name>.trec "
+                   f"({', '.join(column.name for column in [*columns, *others])})")
+    return DatasetResult(part.spec.folder_key, part.dataset, columns, statistics, path, others)
+
+
+def write_dataset_results(experiment: Experiment, part: DatasetRun, columns: list[Column], baseline: str | None,
+                          transforms_of: dict[str, str]) -> tuple[Path, dict[str, Any] | None]:
     evaluations = [column.as_evaluation() for column in columns]
     statistics = None
     stats = experiment.statistics
@@ -441,9 +464,7 @@ def finish_dataset(experiment: Experiment, part: DatasetRun, columns: list[Colum
                 "statistics": asdict(stats), "dataset_spec": asdict(part.spec), "identity": part.identity}
     path = write_results(part.folder, part.dataset, evaluations, settings, models, statistics=statistics,
                          write_runs=False)
-    experiment.log(f"wrote {part.folder}/: metrics.json, per_query.json; per column <name>.json and <name>.trec "
-                   f"({', '.join(column.name for column in columns)})")
-    return DatasetResult(part.spec.folder_key, part.dataset, columns, statistics, path)
+    return path, statistics
 
 
 def seed_statistics(columns: Sequence[Column], stats: StatisticsSettings) -> dict[str, Any] | None:
