@@ -77,7 +77,7 @@ class AnalysisConfig:
     index_root: str = "indexes"
     k: int = 1000
     ncandidates: int | None = None
-    backend: str = "flat"  # hil.retrieval.backends.configs.BACKEND_KINDS (flat, ivfflat, ivfpq, plaid)
+    backend: str = "flat"  # a registered kind: flat, ivfflat, ivfpq, plaid, muvera, or one defined outside
     backend_params: dict[str, Any] | None = None  # its build-time and search-time settings (configs_from_params)
     batch_size: int | None = None  # documents per encoding batch (None: by device, EvaluationSettings)
     dim: int | None = None  # an untrained head's size (None: 128); a trained model keeps its own
