@@ -248,3 +248,21 @@ def test_each_command_help_says_what_it_does_and_lists_what_it_honours(capsys):
 def test_index_refuses_an_option_it_would_ignore(option, capsys):
     assert hil_main(["index", "--model", "m", "--dataset", "scifact", *option]) == 2
     assert option[0].lstrip("-").split(".")[0] in one_error_line(capsys)
+
+
+def test_a_run_file_written_by_another_process_during_the_search_is_kept(tmp_path):
+    """``--output`` absent when the search started, written by another process before it ended: refused at the
+    end, the other file kept (the ranking stays in the search's records)."""
+    from hil.cli.main import link_run
+    from hil.errors import UserError
+
+    source, run_file = tmp_path / "model.trec", tmp_path / "run.trec"
+    source.write_text("q0 Q0 d0 1 1.0 model\n")
+    run_file.write_text("another process's run\n")
+    with pytest.raises(UserError, match="written by another process.*--overwrite"):
+        link_run(source, run_file, overwrite=False)
+    assert run_file.read_text() == "another process's run\n"
+    link_run(source, run_file, overwrite=True)
+    assert os.path.samefile(source, run_file)
+    link_run(source, tmp_path / "fresh.trec", overwrite=False)
+    assert os.path.samefile(source, tmp_path / "fresh.trec")
