@@ -107,12 +107,29 @@ def atomic_output(path: str | os.PathLike) -> Iterator[Path]:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         yield tmp
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
+        os.chmod(tmp, plain_file_mode())
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def plain_file_mode() -> int:
+    """The permissions a plain ``open()`` gives a new file: 0666 less the process's umask."""
+    umask = os.umask(0)  # read only by setting it: put back at once
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def give_plain_file_modes(folder: str | os.PathLike) -> None:
+    """Give every file under ``folder`` :func:`plain_file_mode`: a library that writes a ``mkstemp`` file and
+    renames it (safetensors' ``save_file``, which ``save_pretrained`` calls too) leaves it 0600, unreadable to the
+    group and others whom the user's umask lets read the rest of the folder. Links are left alone."""
+    mode = plain_file_mode()
+    for root, _, files in os.walk(folder):
+        for name in files:
+            path = os.path.join(root, name)
+            if not os.path.islink(path):
+                os.chmod(path, mode)
 
 
 def write_json_atomic(path: str | os.PathLike, payload: Any) -> None:

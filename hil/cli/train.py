@@ -32,6 +32,7 @@ from hil.errors import DEBUG_ENV, MissingInputError, UserError, check_output_pat
 from hil.errors import user_error as _user_error  # noqa: E402
 from hil.data.tokenization import MarkerTokenError  # noqa: E402
 from hil.modeling.callbacks import NonFiniteGuard, NonFiniteLossError, ProgressLines, StepReseed  # noqa: E402
+from hil.modeling.export import ExportRefused, export_refusal, run_folders  # noqa: E402
 from hil.modeling.module import RetrieverModule  # noqa: E402
 from hil.cli.parsers import OneLineErrors  # noqa: E402
 
@@ -97,7 +98,9 @@ class HILCLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument("--export_dir", type=str, default=None,
-                            help="after fit, export the model here (from_pretrained-loadable)")
+                            help="after fit, export the model here (from_pretrained-loadable): a folder of its own, "
+                                 "absent, empty or an earlier export (other files, or the run's own folder, are "
+                                 "refused before training)")
         parser.add_lightning_class_args(StepReseed, "step_reseed")
         parser.add_lightning_class_args(NonFiniteGuard, "nonfinite_guard")
         parser.add_lightning_class_args(ProgressLines, "progress_lines")
@@ -115,6 +118,9 @@ class HILCLI(LightningCLI):
         config = self.config.get(self.subcommand) if self.subcommand else self.config
         if config.get("export_dir"):  # before training: the export is written only after it
             check_output_path(config["export_dir"], "--export_dir", folder=True)
+            refusal = export_refusal(config["export_dir"], "--export_dir", run=run_folders(config["trainer"]))
+            if refusal:
+                raise ExportRefused(refusal)
         if config.get("float32_matmul_precision"):
             torch.set_float32_matmul_precision(config["float32_matmul_precision"])
         # Off a terminal the progress lines replace the bar (whose redraws a file keeps as one endless line), unless
@@ -137,6 +143,11 @@ class HILCLI(LightningCLI):
         config = self.config.get(self.subcommand, {})
         export_dir = config.get("export_dir")
         if export_dir and self.trainer.is_global_zero:
+            if self.trainer.global_step == 0:  # nothing was learned: the export would pass for a trained model
+                why = ("trainer.max_steps 0" if self.trainer.max_steps == 0 else "trainer.max_epochs 0"
+                       if self.trainer.max_epochs == 0 else "no batch reached the optimizer")
+                print(f"warning: no training step ran ({why}); the export holds the weights training started from",
+                      file=sys.stderr)
             data = config.get("data")
             data = data.as_dict() if isinstance(data, Namespace) else data
             # JSON-safe (paths and classes as text): the model card reads what the model was trained on.

@@ -17,6 +17,7 @@ from typing import Any, Iterable, Protocol
 
 from hil.errors import MissingInputError, UserError
 from hil.paths import resolve_model
+from hil.provenance import file_lock, lock_path, write_text_atomic
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 # What loading a model reads: settings, tokenizer files, weights, the Dense folders of a PyLate model.
@@ -119,10 +120,13 @@ def model_card(export_dir: Path, metrics_files: Iterable[Path] = (), repo_id: st
 
 def write_model_card(export_dir: str | Path, metrics_files: Iterable[str | Path] = (),
                      repo_id: str | None = None) -> Path:
+    """Write the model card into ``export_dir``: whole, with a plain file's permissions, and under the export's lock
+    (a re-export carries the card over, ``hil.modeling.export``; it must not copy half of one)."""
     export_dir = Path(export_dir)
     card = model_card(export_dir, [Path(p) for p in metrics_files], repo_id)
     path = export_dir / CARD_NAME
-    path.write_text(card, encoding="utf-8")
+    with file_lock(lock_path(export_dir), what="model card"):
+        write_text_atomic(path, card)
     return path
 
 

@@ -319,10 +319,20 @@ class RetrieverModule(pl.LightningModule):
         checkpoint["hil"] = provenance(self.encoder.settings(), training=self.training_record(),
                                        module_class=f"{type(self).__module__}.{type(self).__qualname__}")
 
-    def export(self, directory: str | Path, data: dict[str, Any] | None = None) -> Path:
+    def export(self, directory: str | Path, data: dict[str, Any] | None = None, *, overwrite: bool = False) -> Path:
         """An export folder (``hil.modeling.export``): our layout, and the Stanford ColBERT layout for a ColBERT.
-        ``data``: the training data settings, recorded for the model card."""
+        ``data``: the training data settings, recorded for the model card.
+
+        ``directory`` is replaced only when it is absent, empty or an earlier export (``overwrite``: a folder of
+        other files too), and never when it is (or holds) the folder of the trainer this module is attached to.
+        A refused export is still written, beside it (``<name>.new``, named in the ``ExportRefused``): the weights
+        are what training made."""
+        trainer = self._trainer  # None outside a Trainer (self.trainer raises then)
+        run = [] if trainer is None else [
+            (what, str(folder)) for what, folder in (
+                ("trainer.default_root_dir", trainer.default_root_dir), ("log folder", trainer.log_dir),
+                ("checkpoint folder", getattr(trainer.checkpoint_callback, "dirpath", None))) if folder]
         return export_model(self.encoder, directory, extra={
             "training": self.training_record(), "global_step": int(self.global_step),
             "module_class": f"{type(self).__module__}.{type(self).__qualname__}",
-            **({"data": data} if data is not None else {})})
+            **({"data": data} if data is not None else {})}, overwrite=overwrite, run=run, keep_refused=True)
