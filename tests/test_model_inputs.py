@@ -61,6 +61,7 @@ def test_a_peer_checkpoint_of_any_head_size_evaluates_without_dim(tiny_model_dir
 
 def test_a_different_dim_for_a_trained_model_is_refused_in_one_line(tiny_model_dir, beir, tmp_path, capsys):
     folder = write_stanford(tmp_path / "stanford", str(tiny_model_dir), dim=96)
+    capsys.readouterr()  # the writer's own loading bar (shown unless an earlier test turned transformers' bars off)
     assert evaluate_cli(folder, beir, tmp_path, "--dim", "128") == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "dim 128 asked, but the checkpoint's projection gives 96" in err[0]
