@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Iterable, Protocol
 
 from hil.errors import MissingInputError, UserError
-from hil.paths import resolve_model
+from hil.paths import ModelNotFoundError, resolve_model
 from hil.provenance import file_lock, lock_path, write_text_atomic
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
@@ -31,8 +31,12 @@ class HubError(UserError):
 
 
 def local_model_dir(source: str | Path) -> Path:
-    """The local folder of ``source``: a path, ``HIL_MODELS_DIR/<name>``, or a hub snapshot (downloaded once)."""
-    path = Path(resolve_model(source)).expanduser()
+    """The local folder of ``source``: a path, ``HIL_MODELS_DIR/<name>``, or a hub snapshot (downloaded once; while
+    the hub cannot be asked, only a cached one: :func:`hil.paths.resolve_model`)."""
+    try:
+        path = Path(resolve_model(source)).expanduser()
+    except ModelNotFoundError as error:
+        raise HubError(str(error)) from None
     if path.exists():
         return path
     text = str(source)
