@@ -83,6 +83,8 @@ def as_before(new: dict) -> dict:
     new.pop("progress_lines", None)  # added since (train.py's progress-line callback), not a training setting
     # Added since (issue 29): torch's fp32 matmul precision, unset (torch's default) but by presets/gpu.yaml.
     assert new.pop("float32_matmul_precision", None) is None
+    # Added since (issue 40): what fit does when its root holds an interrupted run, unset (stop and say so).
+    assert new.pop("resume", None) is None
     assert new.pop("step_reseed") == {"seed": None}
     # Deliberate changes since (issue 13, ColBERT v1's conventions): clipping at 2.0, [MASK] padding not attended,
     # BERT-style head init. Checked here, then set back to what 21203ed had.

@@ -91,6 +91,12 @@ class OneLineErrors:
 
     argv: list[str] = []  # the command line last parsed, recipes resolved (``located`` reads its --config files)
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # argparse would read ``--trainer.max_step 3`` as ``--trainer.max_steps 3`` (a prefix of one option), which a
+        # --config file refuses: an option is spelled out on the command line as in a file.
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
     def parse_args(self, args: Sequence[str] | None = None, *rest: Any, **kwargs: Any) -> Any:
         self.argv = resolve_config_arguments(sys.argv[1:] if args is None else args)
         for file in config_files(self.argv):  # jsonargparse names neither the file nor the line of a YAML error

@@ -5,6 +5,12 @@ tokenizer without the marker tokens, a malformed data file, a ``--ckpt_path`` th
 value our own validation refuses (``hil.errors.UserError``), a non-finite loss -- are printed as one line,
 ``error: <what and where>``, with exit status 2 (1 for a non-finite loss), instead of a usage screen or a traceback.
 Anything else (a bug) keeps its traceback; ``HIL_DEBUG=1`` keeps them all.
+
+Ctrl-C stops training after the running step with ``last.ckpt`` written there, prints the exact command that
+resumes (the same arguments and ``--ckpt_path <that last.ckpt>``) and exits with status 130. The same command run
+again without ``--ckpt_path`` does not silently start over: it stops in one line naming the checkpoint, unless
+``--resume auto`` (resume it) or ``--resume never`` (a new run beside it) says what to do
+(:mod:`hil.cli.train_runs`).
 """
 
 from __future__ import annotations
@@ -15,12 +21,28 @@ import sys
 # Thread settings must be fixed before torch spins up its pools.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+
+def _say_loading() -> None:
+    """One line on a terminal before the imports below and the options' parser take their 5-15 s: ``hil fit
+    --help`` and every training command were otherwise silent that long."""
+    try:
+        if sys.stderr.isatty():
+            sys.stderr.write("loading the training command (torch, Lightning) ...\n")
+            sys.stderr.flush()
+    except (AttributeError, ValueError, OSError):  # no stderr, or a closed one
+        pass
+
+
+_say_loading()
+
 import json  # noqa: E402
 import logging  # noqa: E402
+import signal  # noqa: E402
+import threading  # noqa: E402
 import warnings  # noqa: E402
 import zipfile  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Literal  # noqa: E402
+from typing import Any, Literal, NoReturn  # noqa: E402
 
 import torch  # noqa: E402
 from jsonargparse import Namespace  # noqa: E402
@@ -32,9 +54,12 @@ from hil.errors import DEBUG_ENV, MissingInputError, UserError, check_output_pat
 from hil.errors import user_error as _user_error  # noqa: E402
 from hil.data.tokenization import MarkerTokenError  # noqa: E402
 from hil.modeling.callbacks import NonFiniteGuard, NonFiniteLossError, ProgressLines, StepReseed  # noqa: E402
+from hil.modeling.interrupts import StopAtStepEnd, last_checkpoint  # noqa: E402
 from hil.modeling.export import ExportRefused, export_refusal, run_folders  # noqa: E402
 from hil.modeling.module import RetrieverModule  # noqa: E402
 from hil.cli.parsers import OneLineErrors  # noqa: E402
+from hil.cli.train_runs import (RESUME_HELP, ResumeChoice, check_accelerator, check_checkpoint_fits,  # noqa: E402
+                                clear_interrupt, record_interrupt, resume_command, resume_decision)
 
 __all__ = ["DEBUG_ENV", "HILCLI", "TrainingParser", "check_checkpoint", "one_line", "run_train", "train_main",
            "user_error"]
@@ -94,7 +119,9 @@ class HILCLI(LightningCLI):
     ``progress_lines`` (``every_n_seconds``, ``when: auto | always | never``: a progress line every 30 s when stdout
     is not a terminal, in place of the progress bar, which a file cannot show); and ``float32_matmul_precision``
     (``highest | high | medium``, torch's setting of that name, applied before anything is built; null leaves
-    torch's default, ``highest``: fp32 matrix products in full fp32. ``high`` lets a GPU use TF32 for them)."""
+    torch's default, ``highest``: fp32 matrix products in full fp32. ``high`` lets a GPU use TF32 for them); and
+    ``resume`` (``auto | never``, unset by default: what ``fit`` does when ``trainer.default_root_dir`` holds an
+    interrupted run and no ``--ckpt_path`` is given -- resume it, start a new run beside it, or stop and say so)."""
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument("--export_dir", type=str, default=None,
@@ -106,13 +133,20 @@ class HILCLI(LightningCLI):
         parser.add_lightning_class_args(ProgressLines, "progress_lines")
         parser.add_argument("--float32_matmul_precision", type=MatmulPrecision | None, default=None,
                             help="torch.set_float32_matmul_precision before training (null: torch's default)")
+        parser.add_argument("--resume", type=ResumeChoice | None, default=None, help=RESUME_HELP)
 
     def parse_arguments(self, parser: LightningArgumentParser, args) -> None:
         super().parse_arguments(parser, args)
         # Checked here because LightningCLI reads the checkpoint's hyperparameters next, before any other hook.
         subcommand = self.config.get("subcommand")
+        self.argv = list(args) if isinstance(args, (list, tuple)) else sys.argv[1:]  # the resume command's
         if subcommand:
-            check_checkpoint(self.config[subcommand].get("ckpt_path"))
+            config = self.config[subcommand]
+            check_accelerator(config["trainer"].get("accelerator"), getattr(parser, "argv", self.argv))
+            if subcommand == "fit":  # an interrupted run of this root: resumed, left, or the command stops
+                root = config["trainer"].get("default_root_dir") or "."
+                config["ckpt_path"] = resume_decision(root, config.get("ckpt_path"), config.get("resume"))
+            check_checkpoint(config.get("ckpt_path"))
 
     def before_instantiate_classes(self) -> None:
         config = self.config.get(self.subcommand) if self.subcommand else self.config
@@ -138,6 +172,43 @@ class HILCLI(LightningCLI):
                           init_args=Namespace(save_dir=root, name="tb")),
                 Namespace(class_path="pytorch_lightning.loggers.CSVLogger",
                           init_args=Namespace(save_dir=root, name="csv"))]
+
+    def fit(self, model: RetrieverModule, **kwargs: Any) -> None:
+        """``Trainer.fit``, after refusing in one line a ``--ckpt_path`` whose weights do not fit the model; Ctrl-C
+        ends it with the command that resumes and status 130 (the module docstring), and a run that completes
+        forgets the interrupted one of its root."""
+        if kwargs.get("ckpt_path") and Path(str(kwargs["ckpt_path"])).is_file():
+            check_checkpoint_fits(kwargs["ckpt_path"], model)
+        handler = signal.getsignal(signal.SIGINT)
+        try:
+            self.trainer.fit(model, **kwargs)
+        except SystemExit:  # Lightning's answer to KeyboardInterrupt: sys.exit(1), the trainer marked interrupted
+            if not self.trainer.interrupted:
+                raise
+            self.interrupted()
+        finally:  # Lightning leaves Ctrl-C ignored after an interrupt
+            if handler is not None and threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGINT, handler)
+        if self.trainer.is_global_zero:
+            clear_interrupt(self.trainer.default_root_dir)
+
+    def interrupted(self) -> NoReturn:
+        """Print how to resume (and record it in the root's ``interrupted.json``); exit with status 130."""
+        trainer = self.trainer
+        stop = next((c for c in trainer.callbacks if isinstance(c, StopAtStepEnd)), None)
+        checkpoint = stop.saved if stop is not None and stop.saved is not None else last_checkpoint(trainer)
+        if trainer.is_global_zero:
+            if checkpoint is None:
+                print(f"interrupted at step {trainer.global_step}, before any checkpoint was written: nothing to "
+                      f"resume from (the same command starts over)", file=sys.stderr)
+            else:
+                step = stop.step if stop is not None and checkpoint == stop.saved else \
+                    torch.load(checkpoint, map_location="cpu", mmap=True, weights_only=True).get("global_step")
+                command = resume_command(self.argv, checkpoint)
+                record_interrupt(trainer.default_root_dir, checkpoint, step, command)
+                at = "" if step == trainer.global_step else f" (the last checkpoint is of step {step})"
+                print(f"interrupted at step {trainer.global_step}{at}; resume with: {command}", file=sys.stderr)
+        raise SystemExit(130)
 
     def after_fit(self) -> None:
         config = self.config.get(self.subcommand, {})
@@ -191,7 +262,14 @@ def run_train(args: list[str] | None = None) -> HILCLI:
         args = sys.argv[1:] if args is None else list(args)  # --config recipes: TrainingParser.parse_args
         quiet_lightning()
         return HILCLI(RetrieverModule, TrainingDataModule, args=args, auto_configure_optimizers=False,
-                      parser_class=TrainingParser, save_config_kwargs={"overwrite": True})
+                      parser_class=TrainingParser, save_config_kwargs={"overwrite": True},
+                      trainer_defaults={"callbacks": [StopAtStepEnd()]})
+    except KeyboardInterrupt:  # before training started (loading, setup): nothing of the run to resume
+        if os.environ.get(DEBUG_ENV):
+            raise
+        print("interrupted before the first training step: nothing to resume (the same command starts over)",
+              file=sys.stderr)
+        raise SystemExit(130) from None
     except Exception as error:
         shown = None if os.environ.get(DEBUG_ENV) else user_error(error)
         if shown is None:

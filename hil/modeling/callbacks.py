@@ -306,8 +306,11 @@ class ProgressLines(pl.Callback):
     ``loss`` is the step's logged ``train/loss``; triples/s counts every process's triples since training started
     (queries/s for n-way batches, a query with its N documents);
     ETA extrapolates that pace to ``max_steps`` (or to the planned number of steps when only epochs are set).
-    Lines are written at logging steps (``log_every_n_steps``; the first line at the first of them), where reading
-    the loss back from the device costs no step its overlap with the device.
+    The first line comes after the first step (on a CPU that can be a minute into ``make demo``; waiting for the
+    first logging step was minutes more of silence), the next ones whenever ``every_n_seconds`` have passed. The
+    loss is read only at logging steps (``log_every_n_steps``), where the training loop reads values back from the
+    device anyway: a line between them shows the last logged loss with its step, ``loss 0.6412 (step 8)``, or none
+    yet, so that no step waits for the device.
 
     Args:
         every_n_seconds: the least time between two lines.
@@ -334,6 +337,7 @@ class ProgressLines(pl.Callback):
         self._first_step = self._seen_step = 0
         self._printed_step: int | None = None
         self._triples_seen = 0
+        self._logged: tuple[float, int] | None = None  # (loss, step) read at the last logging step
 
     def prints_to(self, stream: TextIO) -> bool:
         """Whether lines go to ``stream`` under this ``when``."""
@@ -346,6 +350,7 @@ class ProgressLines(pl.Callback):
         self._first_step = self._seen_step = trainer.global_step
         self._printed_step = None
         self._triples_seen = 0
+        self._logged = None
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -356,32 +361,39 @@ class ProgressLines(pl.Callback):
         if trainer.global_step == self._seen_step:  # a micro-batch of an accumulated step: no optimizer step yet
             return
         self._seen_step = trainer.global_step
+        if logs_this_step(trainer) or not trainer.log_every_n_steps:
+            self._read_loss(trainer, outputs)
         now = self.clock()
-        due = self._printed_step is None or now - self._last_line >= self.every_n_seconds
-        if due and (logs_this_step(trainer) or not trainer.log_every_n_steps):
-            self._print(trainer, outputs, now)
+        if self._printed_step is None or now - self._last_line >= self.every_n_seconds:
+            self._print(trainer, now)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._active and self._seen_step != self._printed_step and self._seen_step > self._first_step:
-            self._print(trainer, None, self.clock())
+            self._print(trainer, self.clock())
 
-    def _print(self, trainer: pl.Trainer, outputs: Any, now: float) -> None:
-        self._out.write(self.line(trainer, outputs, now) + "\n")
+    def _read_loss(self, trainer: pl.Trainer, outputs: Any) -> None:
+        """Keep the step's logged ``train/loss`` (else its ``loss`` output): called at logging steps only."""
+        loss = trainer.callback_metrics.get(LOSS_KEY)
+        if loss is None and isinstance(outputs, Mapping):
+            loss = outputs.get("loss")
+        if loss is not None:
+            self._logged = (float(loss), trainer.global_step)
+
+    def _print(self, trainer: pl.Trainer, now: float) -> None:
+        self._out.write(self.line(trainer, now) + "\n")
         self._out.flush()
         self._printed_step, self._last_line = trainer.global_step, now
 
-    def line(self, trainer: pl.Trainer, outputs: Any, now: float) -> str:
+    def line(self, trainer: pl.Trainer, now: float) -> str:
         """The progress line at ``now`` (see the class docstring)."""
         step, elapsed = trainer.global_step, max(now - self._started, 1e-9)
         total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
         if total is None and math.isfinite(float(trainer.estimated_stepping_batches)):
             total = int(trainer.estimated_stepping_batches)
         parts = [f"step {step}/{total} ({100 * step / total:.0f}%)" if total else f"step {step}"]
-        loss = trainer.callback_metrics.get(LOSS_KEY)
-        if loss is None and isinstance(outputs, Mapping):
-            loss = outputs.get("loss")
-        if loss is not None:
-            parts.append(f"loss {float(loss):.4f}")
+        if self._logged is not None:
+            loss, logged_at = self._logged
+            parts.append(f"loss {loss:.4f}" + ("" if logged_at == step else f" (step {logged_at})"))
         if self._triples_seen:
             parts.append(f"{self._triples_seen / elapsed:.1f} {getattr(self, '_unit', 'triples')}/s")
         parts.append(f"elapsed {clock_text(elapsed)}")
