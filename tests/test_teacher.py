@@ -258,21 +258,25 @@ def test_select_puts_the_positive_first_and_no_other_positive_after():
 
 
 def test_progress_is_reported_and_changes_no_score(tmp_path, texts, cross_encoder, capsys, monkeypatch):
-    """Without --quiet the teacher says what it mines and how far the scoring got (lines off a terminal, rate and
-    ETA); scoring a chunk of queries at a time gives the scores of one call for every query, to float rounding (a
-    cross-encoder's batches pad otherwise)."""
-    from hil.experiments import teacher as module
+    """Without --quiet the teacher says what it mines and how far the scoring got, in pairs for a cross-encoder
+    (lines off a terminal, rate and ETA); scoring a chunk of queries at a time gives the scores of one call for every
+    query, to float rounding (a cross-encoder's batches pad otherwise)."""
+    import re
+
+    from hil.experiments import teacher_models
 
     quiet, loud = tmp_path / "quiet.jsonl", tmp_path / "loud.jsonl"
     assert run_teacher(texts, quiet, "--teacher", str(cross_encoder), "--depth", "5", "--nway", "4") == 0
     capsys.readouterr()
-    monkeypatch.setattr(module, "SCORE_CHUNK", 1)
+    monkeypatch.setattr(teacher_models, "_QUERY_CHUNK", 1)
     assert teacher_cli.main(["--queries", str(texts["queries"]), "--collection", str(texts["collection"]),
                         "--output", str(loud), "--device", "cpu", "--teacher", str(cross_encoder), "--depth", "5",
                         "--nway", "4"]) == 0
     err = capsys.readouterr().err
+    assert err.startswith(f"[teacher] loading {texts['queries']} and the teacher {cross_encoder}\n")
     assert f"[teacher] mining {len(QUERIES)} queries with bm25 (depth 5)" in err and "[teacher] mined in" in err
-    assert "teacher: 100%" in err and f"{len(QUERIES)}/{len(QUERIES)}" in err
+    pairs = int(re.search(rf"scoring (\d+) candidates of {len(QUERIES)} queries: \1 pairs", err).group(1))
+    assert "teacher: 100%" in err and f"{pairs}/{pairs} [" in err and pairs > len(QUERIES)
     loud_lines, quiet_lines = written(loud), written(quiet)
     assert loud_lines.keys() == quiet_lines.keys()
     for qid, pairs in quiet_lines.items():
@@ -414,3 +418,45 @@ def test_hil_fit_trains_from_teacher_output_alone(tmp_path, texts, cross_encoder
     hparams = cli.datamodule.hparams
     assert (hparams.nway_examples, hparams.queries, hparams.collection, hparams.nway) == (
         str(output), str(texts["queries"]), str(texts["collection"]), 3)
+
+
+def test_an_existing_output_is_refused_unless_overwrite_is_given(tmp_path, texts, cross_encoder, capsys,
+                                                                 monkeypatch):
+    """Nothing of the user's is replaced unasked (issue 40, row 3): an existing ``--output`` is refused before any
+    work, in one line, exit 2, the file as it was; ``--overwrite`` replaces it (and the teacher's own files of a
+    first run are refused the same way)."""
+    output = tmp_path / "ex.jsonl"
+    output.write_text("my notes\n")
+    common = ["--teacher", str(cross_encoder), "--depth", "5", "--nway", "3"]
+    with monkeypatch.context() as patched:
+        patched.setattr(teacher, "load_inputs", lambda args: pytest.fail("refused after reading the inputs"))
+        assert run_teacher(texts, output, *common) == 2
+    assert capsys.readouterr().err == f"hil teacher: error: --output {output} exists; pass --overwrite to replace it\n"
+    assert output.read_text() == "my notes\n" and not output.with_name("ex.jsonl.meta.json").exists()
+    assert run_teacher(texts, output, *common, "--overwrite") == 0
+    assert len(written(output)) == 3 and output.with_name("ex.jsonl.meta.json").is_file()
+    output.unlink()  # the teacher's .meta.json of that run is still there
+    assert run_teacher(texts, output, *common) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"ex.jsonl.meta.json (written beside it) exists; pass --overwrite" in err
+
+
+def test_a_file_the_teacher_writes_beside_the_output_is_refused_too(tmp_path, cross_encoder, capsys):
+    """With a BEIR dataset the texts are written beside the examples (``<stem>.queries.tsv``): a file of the user's
+    by that name is refused, named, unless ``--overwrite``."""
+    folder = tmp_path / "mini"
+    (folder / "qrels").mkdir(parents=True)
+    (folder / "corpus.jsonl").write_text("".join(json.dumps({"_id": k, "title": "", "text": v}) + "\n"
+                                                 for k, v in DOCS.items()), encoding="utf-8")
+    (folder / "queries.jsonl").write_text("".join(json.dumps({"_id": k, "text": v}) + "\n" for k, v in QUERIES.items()))
+    (folder / "qrels" / "train.tsv").write_text("query-id\tcorpus-id\tscore\nq1\td1\t1\n")
+    mine = tmp_path / "ex.queries.tsv"
+    mine.write_text("q\tmy own queries\n")
+    argv = ["--dataset", str(folder), "--teacher", str(cross_encoder), "--output", str(tmp_path / "ex.jsonl"),
+            "--depth", "5", "--nway", "3", "--quiet", "--device", "cpu"]
+    assert teacher_cli.main(argv) == 2
+    assert capsys.readouterr().err == (f"hil teacher: error: --output {tmp_path / 'ex.jsonl'}: {mine} (written beside "
+                                       "it) exists; pass --overwrite to replace it\n")
+    assert mine.read_text() == "q\tmy own queries\n" and not (tmp_path / "ex.jsonl").exists()
+    assert teacher_cli.main([*argv, "--overwrite"]) == 0
+    assert mine.read_text().startswith("q1\t")

@@ -6,8 +6,8 @@ from __future__ import annotations
 import sys
 
 from hil.cli.parsers import CommandParser, module_doc, returns_status
-from hil.errors import check_output_path, exit_status
-from hil.experiments.teacher_settings import FORMATS, KINDS
+from hil.errors import UserError, check_output_path, exit_status
+from hil.experiments.teacher_settings import FORMATS, KINDS, output_files
 
 PROG = "hil teacher"
 
@@ -35,23 +35,41 @@ def build_parser() -> CommandParser:
     parser.add_argument("--max-length", type=int, default=None, help="tokens per pair or text (Hugging Face teachers)")
     parser.add_argument("--max-queries", type=int, default=None, help="only the first N queries")
     parser.add_argument("--format", choices=FORMATS, default="colbert")
-    parser.add_argument("--output", required=True, help="the examples file to write")
+    parser.add_argument("--output", required=True,
+                        help="the examples file to write (refused when it or a file written beside it exists)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an earlier --output (the examples, their .meta.json and texts)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     return parser
 
 
+def refuse_existing_outputs(output: str, beir: bool, overwrite: bool) -> None:
+    """Nothing of the user's is replaced unasked: the examples file, or a file the teacher writes beside it (a
+    BEIR dataset's ``.queries.tsv`` may well be the user's own), exists and ``--overwrite`` is not given."""
+    files = output_files(output, beir)
+    there = [path for path in files.values() if path.exists()]
+    if there and not overwrite:
+        beside = "" if there[0] == files["examples"] else f": {there[0]} (written beside it)"
+        raise UserError(f"--output {output}{beside} exists; pass --overwrite to replace it")
+
+
 @returns_status
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from transformers.utils import logging as transformers_logging
 
-    from hil.experiments import teacher
-
-    if args.quiet:
-        transformers_logging.disable_progress_bar()
     def make_and_report() -> int:
         check_output_path(args.output, "--output", folder=False)  # before mining and scoring, not after
+        refuse_existing_outputs(args.output, args.dataset is not None, args.overwrite)
+        if not args.quiet:  # a first line at once: torch, the texts and the teacher take seconds to load
+            print(f"[teacher] loading {args.dataset or args.queries} and the teacher {args.teacher}",
+                  file=sys.stderr, flush=True)
+        from transformers.utils import logging as transformers_logging
+
+        from hil.experiments import teacher
+
+        if args.quiet:
+            transformers_logging.disable_progress_bar()
         record = teacher.run(args)
         counts = record["counts"]
         print(f"wrote {counts['written']} of {counts['queries']} queries to {record['files']['examples']} "

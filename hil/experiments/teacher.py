@@ -17,12 +17,14 @@ query's ``--depth`` best candidates from the miner: ``bm25`` (:mod:`hil.data.bm2
 qrels: ``--qrels`` or the dataset's), each query's judged positive -- the highest grade >= ``--relevance-level``,
 then the best mined, then the smallest id -- joins the candidates when the miner missed it. (4) The teacher scores
 every candidate (:mod:`hil.experiments.teacher_models`: ``colbert`` for any model hil loads, ``cross-encoder``,
-``dense``). (5) Each query's line holds its ``--nway`` best candidates by teacher score (ties: the miner's order),
+``dense``; a dense teacher encodes each distinct passage once for the whole run), its progress counted in what
+costs (passages, pairs or queries) batch by batch. (5) Each query's line holds its ``--nway`` best candidates by teacher score (ties: the miner's order),
 best first; with ``--positives first``, the positive first and the ``--nway - 1`` best of the candidates not judged
 positive after it (ColBERTv2's examples are positive-first). A query with fewer candidates than that is left out
 (counted in the sidecar).
 
-Output (each file written atomically, all or none): ``--output`` in ``--format`` ``colbert`` (ColBERTv2's
+Output (each file written atomically, all or none; refused before any work where one exists, unless
+``--overwrite``): ``--output`` in ``--format`` ``colbert`` (ColBERTv2's
 ``[qid, [pid, score], ...]``, ids written as JSON integers where they are canonical integers, as Stanford's files
 hold them), ``pylate`` (``{"query_id", "document_ids", "scores"}``) or ``trec`` (a run; one query's lines
 together); with a BEIR dataset also ``<output stem>.queries.tsv`` and ``<output stem>.collection.tsv`` (the texts of
@@ -54,6 +56,7 @@ from hil.data.run_examples import read_qrels
 from hil.evaluation.evaluate import EvaluationSettings, document_store
 from hil.evaluation.runs import ranked
 from hil.experiments.teacher_models import Teacher, load_teacher
+from hil.experiments.teacher_settings import output_files
 from hil.modeling.loading import load_encoder
 from hil.paths import resolve_data_file
 from hil.provenance import atomic_output, provenance
@@ -63,9 +66,6 @@ from hil.retrieval.search import exact_rank
 from hil.retrieval.full_ranking import full_rank
 
 POSITIVE_OPTIONS = ("depth", "batch_size", "max_queries", "max_length", "relevance_level")
-# Queries scored per call of the teacher: the progress bar's step. Scores equal one call's to float rounding (a
-# cross-encoder's length-sorted batches then pad otherwise).
-SCORE_CHUNK = 64
 _LINE_BREAKS = str.maketrans({"\n": " ", "\r": " "})
 
 
@@ -209,12 +209,7 @@ def example_line(fmt: str, qid: str, pairs: list[tuple[str, float]]) -> str:
 def write_outputs(args: argparse.Namespace, inputs: Inputs, lines: dict[str, list[tuple[str, float]]],
                   record: dict[str, Any]) -> dict[str, str]:
     """Every output through :func:`atomic_output`, renamed into place together at the end (an error leaves none)."""
-    output = Path(args.output)
-    files = {"examples": output}
-    if inputs.is_beir:
-        files["queries"] = output.with_name(f"{output.stem}.queries.tsv")
-        files["collection"] = output.with_name(f"{output.stem}.collection.tsv")
-    files["meta"] = output.with_name(f"{output.name}.meta.json")
+    files = output_files(args.output, inputs.is_beir)
     record["files"] = {name: str(path) for name, path in files.items()}
     with ExitStack() as stack:
         handles = {name: stack.enter_context(open(stack.enter_context(atomic_output(path)), "w", encoding="utf-8",
@@ -260,13 +255,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         positives[qid] = positive
         candidates[qid] = docs + ([positive] if positive is not None and positive not in docs else [])
     scored = [qid for qid in inputs.queries if candidates[qid] and (args.positives == "none" or positives[qid])]
-    scores: dict[str, list[float]] = {}
-    bar = progress_bar(len(scored), "teacher", "queries", enabled=not args.quiet)  # rate and ETA; lines off a TTY
-    for start in range(0, len(scored), SCORE_CHUNK):
-        chunk = scored[start: start + SCORE_CHUNK]
-        scores.update(teacher.score({qid: inputs.queries[qid] for qid in chunk},
-                                    {qid: candidates[qid] for qid in chunk}, inputs.documents))
-        bar.update(len(chunk))
+    to_score = {qid: candidates[qid] for qid in scored}
+    work = teacher.work(to_score, inputs.documents)
+    say(f"scoring {sum(map(len, to_score.values()))} candidates of {len(scored)} queries: {work} {teacher.unit} "
+        f"through the teacher")
+    # The bar counts what costs: a dense teacher's passages (each encoded once), a cross-encoder's pairs; it moves
+    # with each batch (rate and ETA; a line every 30 s off a terminal).
+    bar = progress_bar(work, "teacher", teacher.unit, enabled=not args.quiet)
+    scores = teacher.score({qid: inputs.queries[qid] for qid in scored}, to_score, inputs.documents,
+                           advance=bar.update)
     bar.close()
     lines = {}
     for qid in scored:

@@ -10,15 +10,19 @@
   ``CrossEncoder`` does the same).
 - ``dense``: a Hugging Face encoder (``AutoModel``) as a bi-encoder: mean of the last hidden states over the
   attention mask, L2-normalised, cosine similarity (the pooling of sentence-transformers' ``all-MiniLM-L6-v2``).
+  Each distinct passage is encoded once for the whole run, however many queries mined it (SciFact's 809 training
+  queries at depth 100 share 5,154 passages among 80,900 candidates): the vectors are kept between groups of
+  queries, up to ``_CACHE_BYTES``, the least recently used dropped beyond.
 
-Each returns, for every query, the scores of its candidates in the order given.
+Each returns, for every query, the scores of its candidates in the order given, and moves a progress bar in the
+unit that costs (``unit``: queries, pairs, passages), batch by batch.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -32,14 +36,29 @@ from hil.modeling.loading import load_encoder
 from hil.retrieval.search import rerank
 
 Candidates = dict[str, list[str]]
-_QUERY_CHUNK = 256  # queries whose candidates a dense teacher embeds together
+Advance = Callable[[int], object]  # moves the progress bar by that many units of work done
+# Queries scored together: a cross-encoder's pairs and a dense teacher's new vectors held at once (bounded memory).
+_QUERY_CHUNK = 256
+_RERANK_CHUNK = 64  # queries per call of rerank (a ColBERT teacher): the progress bar's step
+# A dense teacher's passage vectors kept for the run: 1 GiB is 700,000 passages of MiniLM (384 floats).
+_CACHE_BYTES = 1 << 30
+
+
+def _no_progress(done: int) -> None:
+    """The ``advance`` of a call without a progress bar."""
 
 
 class Teacher(Protocol):
     kind: str
+    unit: str  # what the progress bar counts: the teacher's unit of work
 
-    def score(self, queries: dict[str, str], candidates: Candidates, texts: dict[str, str]) -> dict[str, list[float]]:
-        """For each query, the score of each of its candidates, in the order of ``candidates[qid]``."""
+    def work(self, candidates: Candidates, texts: dict[str, str]) -> int:
+        """How many ``unit`` scoring ``candidates`` costs: the progress bar's total."""
+
+    def score(self, queries: dict[str, str], candidates: Candidates, texts: dict[str, str],
+              advance: Advance = _no_progress) -> dict[str, list[float]]:
+        """For each query, the score of each of its candidates, in the order of ``candidates[qid]``;
+        ``advance(n)`` after each ``n`` units done."""
 
     def record(self) -> dict[str, object]:
         """What the teacher was (for the sidecar)."""
@@ -77,19 +96,29 @@ def teacher_kind(source: str, kind: str) -> str:
 class ColBERTTeacher:
     """A ``hil`` encoder's ``score`` (module docstring)."""
 
-    kind = "colbert"
+    kind, unit = "colbert", "queries"
 
     def __init__(self, source: str, device: torch.device, batch_size: int, progress: bool):
         self.source, self.batch_size, self.progress = source, batch_size, progress
         self.encoder: Encoder = load_encoder(source)
         self.encoder.to(device)
 
-    def score(self, queries: dict[str, str], candidates: Candidates, texts: dict[str, str]) -> dict[str, list[float]]:
+    def work(self, candidates: Candidates, texts: dict[str, str]) -> int:
+        return len(candidates)
+
+    def score(self, queries: dict[str, str], candidates: Candidates, texts: dict[str, str],
+              advance: Advance = _no_progress) -> dict[str, list[float]]:
         depth = max((len(docs) for docs in candidates.values()), default=1)
-        with torch.inference_mode():
-            run = rerank(self.encoder, None, queries, candidates, texts, k=depth, batch_size=self.batch_size,
-                         doc_batch_size=self.batch_size, progress=self.progress).run
-        return {qid: [run[qid][pid] for pid in candidates[qid]] for qid in queries}
+        qids, out = list(queries), {}
+        for start in range(0, len(qids), _RERANK_CHUNK):
+            chunk = qids[start: start + _RERANK_CHUNK]
+            with torch.inference_mode():
+                run = rerank(self.encoder, None, {qid: queries[qid] for qid in chunk},
+                             {qid: candidates[qid] for qid in chunk}, texts, k=depth, batch_size=self.batch_size,
+                             doc_batch_size=self.batch_size, progress=self.progress).run
+            out.update({qid: [run[qid][pid] for pid in candidates[qid]] for qid in chunk})
+            advance(len(chunk))
+        return out
 
     def record(self) -> dict[str, object]:
         from hil.retrieval.index import encoder_fingerprint
@@ -117,7 +146,7 @@ def _max_length(tokenizer, max_length: int | None) -> int:
 class CrossEncoderTeacher:
     """A Hugging Face sequence classifier on (query, document) pairs (module docstring)."""
 
-    kind = "cross-encoder"
+    kind, unit = "cross-encoder", "pairs"
 
     def __init__(self, source: str, device: torch.device, batch_size: int, max_length: int | None):
         from transformers import AutoModelForSequenceClassification
@@ -134,7 +163,8 @@ class CrossEncoderTeacher:
                             f"logit) or 2 (not relevant, relevant)")
         self.max_length = _max_length(self.tokenizer, max_length)
 
-    def pair_scores(self, queries: Sequence[str], documents: Sequence[str]) -> np.ndarray:
+    def pair_scores(self, queries: Sequence[str], documents: Sequence[str],
+                    advance: Advance = _no_progress) -> np.ndarray:
         """The score of each (queries[i], documents[i]), in batches of pairs of similar length. -> (n,) float32"""
         out = np.empty(len(queries), dtype=np.float32)
         with torch.inference_mode():
@@ -145,14 +175,22 @@ class CrossEncoderTeacher:
                 logits = self.model(**batch.to(self.device)).logits.float()
                 scores = logits[:, 0] if self.labels == 1 else logits[:, 1] - logits[:, 0]
                 out[batch_rows] = scores.cpu().numpy()
+                advance(len(batch_rows))
         return out
 
-    def score(self, queries: dict[str, str], candidates: Candidates, texts: dict[str, str]) -> dict[str, list[float]]:
-        pairs = [(qid, pid) for qid in queries for pid in candidates[qid]]
-        scores = self.pair_scores([queries[q] for q, _ in pairs], [texts[p] for _, p in pairs]).tolist()
-        out: dict[str, list[float]] = {qid: [] for qid in queries}
-        for (qid, _), value in zip(pairs, scores):
-            out[qid].append(value)
+    def work(self, candidates: Candidates, texts: dict[str, str]) -> int:
+        return sum(len(docs) for docs in candidates.values())
+
+    def score(self, queries: dict[str, str], candidates: Candidates, texts: dict[str, str],
+              advance: Advance = _no_progress) -> dict[str, list[float]]:
+        qids, out = list(queries), {}
+        for start in range(0, len(qids), _QUERY_CHUNK):
+            chunk = qids[start: start + _QUERY_CHUNK]
+            pairs = [(qid, pid) for qid in chunk for pid in candidates[qid]]
+            scores = self.pair_scores([queries[q] for q, _ in pairs], [texts[p] for _, p in pairs], advance).tolist()
+            out.update({qid: [] for qid in chunk})
+            for (qid, _), value in zip(pairs, scores):
+                out[qid].append(value)
         return out
 
     def record(self) -> dict[str, object]:
@@ -163,7 +201,7 @@ class CrossEncoderTeacher:
 class DenseTeacher:
     """A Hugging Face encoder as a mean-pooled cosine bi-encoder (module docstring)."""
 
-    kind = "dense"
+    kind, unit = "dense", "passages"
 
     def __init__(self, source: str, device: torch.device, batch_size: int, max_length: int | None):
         from transformers import AutoModel
@@ -175,8 +213,11 @@ class DenseTeacher:
         except (OSError, ValueError) as error:
             raise UserError(f"--teacher {source}: cannot load it as an encoder ({error})") from None
         self.max_length = _max_length(self.tokenizer, max_length)
+        # passage text -> its vector, least recently used first: one encoder pass per distinct passage of the run
+        self.passages: dict[str, torch.Tensor] = {}
+        self.capacity = max(1, _CACHE_BYTES // (4 * self.model.config.hidden_size))
 
-    def embed(self, texts: Sequence[str]) -> torch.Tensor:
+    def embed(self, texts: Sequence[str], advance: Advance = _no_progress) -> torch.Tensor:
         """Mean-pooled, L2-normalised last hidden states, in batches of texts of similar length.
         -> (n, hidden) float32 on the CPU"""
         out = torch.empty(len(texts), self.model.config.hidden_size)
@@ -188,18 +229,31 @@ class DenseTeacher:
                 mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)     # (b, L, 1)
                 mean = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1.0)
                 out[torch.from_numpy(rows)] = F.normalize(mean, dim=-1).cpu()
+                advance(len(rows))
         return out
 
-    def score(self, queries: dict[str, str], candidates: Candidates, texts: dict[str, str]) -> dict[str, list[float]]:
+    def work(self, candidates: Candidates, texts: dict[str, str]) -> int:
+        """The distinct passages not encoded yet (more when the cache overflows and drops some)."""
+        return len({texts[pid] for docs in candidates.values() for pid in docs} - self.passages.keys())
+
+    def score(self, queries: dict[str, str], candidates: Candidates, texts: dict[str, str],
+              advance: Advance = _no_progress) -> dict[str, list[float]]:
         qids, out = list(queries), {}
         for start in range(0, len(qids), _QUERY_CHUNK):
             chunk = qids[start: start + _QUERY_CHUNK]
-            docs = list(dict.fromkeys(pid for qid in chunk for pid in candidates[qid]))
-            row = {pid: i for i, pid in enumerate(docs)}
-            query_vectors, doc_vectors = self.embed([queries[q] for q in chunk]), self.embed([texts[p] for p in docs])
+            wanted = list(dict.fromkeys(texts[pid] for qid in chunk for pid in candidates[qid]))
+            for text in wanted:  # kept ones move to the recent end
+                if text in self.passages:
+                    self.passages[text] = self.passages.pop(text)
+            new = [text for text in wanted if text not in self.passages]
+            # a copy of each row: a view would keep its whole batch alive after the row is dropped from the cache
+            self.passages.update((text, row.clone()) for text, row in zip(new, self.embed(new, advance)))
+            query_vectors = self.embed([queries[q] for q in chunk])
             for i, qid in enumerate(chunk):
-                picked = doc_vectors[[row[pid] for pid in candidates[qid]]]
-                out[qid] = (picked @ query_vectors[i]).tolist()
+                rows = [self.passages[texts[pid]] for pid in candidates[qid]]
+                out[qid] = (torch.stack(rows) @ query_vectors[i]).tolist() if rows else []  # (n, hidden) @ (hidden,)
+            while len(self.passages) > self.capacity:
+                del self.passages[next(iter(self.passages))]
         return out
 
     def record(self) -> dict[str, object]:
