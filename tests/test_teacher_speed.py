@@ -205,3 +205,20 @@ def test_the_kept_vectors_stay_within_their_bound(dense, monkeypatch):
     assert len(encoded) > len(roomy.passages) + len(queries)  # some were dropped and encoded again
     for qid in queries:
         assert found[qid] == pytest.approx(expected[qid], abs=1e-6)
+
+
+def test_a_dense_teacher_cuts_texts_where_sentence_transformers_would(dense):
+    # all-MiniLM-L6-v2 on the hub says max_seq_length 256 in sentence_bert_config.json, and sentence-transformers
+    # encodes with it; without that file the tokenizer's limit (capped at 512); an explicit --max-length wins.
+    folder, _ = dense
+    limit = teacher_models.DenseTeacher(str(folder), torch.device("cpu"), 4, None).max_length
+    (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 7, "do_lower_case": False}))
+    assert limit > 7 and teacher_models.DenseTeacher(str(folder), torch.device("cpu"), 4, None).max_length == 7
+    assert teacher_models.DenseTeacher(str(folder), torch.device("cpu"), 4, 5).max_length == 5
+    short = teacher_models.DenseTeacher(str(folder), torch.device("cpu"), 4, None)
+    long_text = " ".join(["word"] * 40)
+    cut = " ".join(["word"] * 5)  # 7 tokens: [CLS], five words, [SEP]
+    assert torch.allclose(short.embed([long_text]), short.embed([cut]), atol=1e-6)
+    (folder / "sentence_bert_config.json").write_text("{}")
+    with pytest.raises(teacher_models.UserError, match="sentence_bert_config.json: no integer max_seq_length"):
+        teacher_models.DenseTeacher(str(folder), torch.device("cpu"), 4, None)

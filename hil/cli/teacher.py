@@ -32,7 +32,9 @@ def build_parser() -> CommandParser:
     parser.add_argument("--teacher", required=True, help="a model hil loads, or a Hugging Face model")
     parser.add_argument("--teacher-kind", choices=KINDS, default="auto")
     parser.add_argument("--batch-size", type=int, default=32, help="pairs (or texts) per teacher forward pass")
-    parser.add_argument("--max-length", type=int, default=None, help="tokens per pair or text (Hugging Face teachers)")
+    parser.add_argument("--max-length", type=int, default=None,
+                        help="tokens per pair or text (Hugging Face teachers; default: the model's "
+                             "sentence_bert_config.json max_seq_length, else 512)")
     parser.add_argument("--max-queries", type=int, default=None, help="only the first N queries")
     parser.add_argument("--format", choices=FORMATS, default="colbert")
     parser.add_argument("--output", required=True,

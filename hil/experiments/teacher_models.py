@@ -42,6 +42,7 @@ _QUERY_CHUNK = 256
 _RERANK_CHUNK = 64  # queries per call of rerank (a ColBERT teacher): the progress bar's step
 # A dense teacher's passage vectors kept for the run: 1 GiB is 700,000 passages of MiniLM (384 floats).
 _CACHE_BYTES = 1 << 30
+SENTENCE_BERT_CONFIG = "sentence_bert_config.json"  # sentence-transformers' own settings file of a model folder
 
 
 def _no_progress(done: int) -> None:
@@ -138,7 +139,16 @@ def _hugging_face(source: str, what: str):
         raise UserError(f"--teacher {source}: cannot load its tokenizer as a {what} ({error})") from None
 
 
-def _max_length(tokenizer, max_length: int | None) -> int:
+def _max_length(tokenizer, max_length: int | None, directory: Path | None = None) -> int:
+    """The tokens a text is cut to: ``max_length`` when given; else the model's own sentence-transformers setting
+    (``sentence_bert_config.json``'s ``max_seq_length``: 256 for all-MiniLM-L6-v2 on the hub, what
+    sentence-transformers encodes it with), else 512; never above the tokenizer's limit."""
+    if max_length is None and directory is not None:
+        config = Path(directory) / SENTENCE_BERT_CONFIG
+        try:
+            max_length = int(json.loads(config.read_text())["max_seq_length"]) if config.is_file() else None
+        except (ValueError, KeyError, TypeError) as error:
+            raise UserError(f"{config}: no integer max_seq_length ({error})") from None
     limit = getattr(tokenizer, "model_max_length", None) or 512
     return min(max_length or 512, limit if limit < 1_000_000 else 512)
 
@@ -161,7 +171,7 @@ class CrossEncoderTeacher:
         if self.labels not in (1, 2):
             raise UserError(f"--teacher {source}: {self.labels} labels; a cross-encoder teacher has 1 (a relevance "
                             f"logit) or 2 (not relevant, relevant)")
-        self.max_length = _max_length(self.tokenizer, max_length)
+        self.max_length = _max_length(self.tokenizer, max_length, directory)
 
     def pair_scores(self, queries: Sequence[str], documents: Sequence[str],
                     advance: Advance = _no_progress) -> np.ndarray:
@@ -212,7 +222,7 @@ class DenseTeacher:
             self.model = AutoModel.from_pretrained(str(directory)).to(device).eval()
         except (OSError, ValueError) as error:
             raise UserError(f"--teacher {source}: cannot load it as an encoder ({error})") from None
-        self.max_length = _max_length(self.tokenizer, max_length)
+        self.max_length = _max_length(self.tokenizer, max_length, directory)
         # passage text -> its vector, least recently used first: one encoder pass per distinct passage of the run
         self.passages: dict[str, torch.Tensor] = {}
         self.capacity = max(1, _CACHE_BYTES // (4 * self.model.config.hidden_size))
