@@ -140,6 +140,18 @@ def test_a_second_ctrl_c_stops_at_once_and_points_to_the_last_periodic_checkpoin
     assert global_step(args[args.index("--ckpt_path") + 1]) == 2
 
 
+def test_ctrl_c_before_training_starts_is_one_line_and_status_130(shared_dir, tmp_path, capsys, monkeypatch):
+    def loading(*args, **kwargs):
+        raise KeyboardInterrupt  # while the model loads
+
+    import hil.modeling.encoder
+
+    monkeypatch.setattr(hil.modeling.encoder, "load_backbone", loading)
+    code, lines = stopped(fit_args(tmp_path / "run"), capsys)
+    assert code == 130 and lines == ["interrupted before the first training step: nothing to resume (the same "
+                                     "command starts over)"], lines
+
+
 @pytest.mark.slow
 def test_an_interrupted_and_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(shared_dir, tmp_path, capsys,
                                                                                        interrupt_at):

@@ -227,9 +227,10 @@ class HILCLI(LightningCLI):
 
 
 # Lightning's lines that tell a user of this package nothing: an advertisement, "no GPU / no TPU" on a machine without
-# them (the line that says a GPU is used stays), the warning about ``args`` (ours are the command line itself) and a
+# them (the line that says a GPU is used stays), its "attempting graceful shutdown" after Ctrl-C (train.py's own
+# lines say what happens and how to resume), the warning about ``args`` (ours are the command line itself) and a
 # torch deprecation inside Lightning.
-QUIET_LIGHTNING_LINES = ("💡 Tip:", "GPU available: False", "TPU available: False")
+QUIET_LIGHTNING_LINES = ("💡 Tip:", "GPU available: False", "TPU available: False", "\nDetected KeyboardInterrupt")
 QUIET_LIGHTNING_WARNINGS = (r"LightningCLI's args parameter is intended", r".*isinstance\(treespec, LeafSpec\)")
 LIGHTNING_INFO_LOGGERS = ("pytorch_lightning.utilities.rank_zero", "lightning.pytorch.utilities.rank_zero",
                           "lightning_fabric.utilities.rank_zero")

@@ -101,7 +101,7 @@ class StopAtStepEnd(pl.Callback):
         there, which must be replaced, not written through into the checkpoint it points at)."""
         target = checkpoint_folder(trainer) / LAST_CHECKPOINT
         staging = target.with_name(f".{target.name}.interrupted.tmp")
-        trainer.save_checkpoint(staging)  # every rank calls it; the global-zero one writes
+        trainer.save_checkpoint(staging, weights_only=False)  # every rank calls it; the global-zero one writes
         if trainer.is_global_zero:
             os.replace(staging, target)
         trainer.strategy.barrier("StopAtStepEnd.save_last")
