@@ -19,6 +19,7 @@ Errors a user can fix are one line, ``error: ...``, exit status 2 (``HIL_DEBUG=1
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -35,6 +36,7 @@ from hil.errors import UserError, check_output_path, exit_status
 if TYPE_CHECKING:  # the subcommands import what they run (``hil --help`` imports no torch)
     from hil.evaluation.evaluate import EvaluationSettings
     from hil.evaluation.experiment import DatasetSpec, Experiment, ModelSpec
+    from hil.evaluation.search_run import QuerySearch
 
 PROG = "hil"
 DELEGATED = ("beir", "paper", "teacher", "engines", "analyze", "share")  # hil.cli.<name>.main(argv) each
@@ -52,9 +54,13 @@ COMMAND_DESCRIPTIONS = {
              "--max_queries give) under --settings.index_root, or check and reuse it, and print where it is. "
              "hil search and hil evaluate given the same model, dataset, slice and build-time settings search "
              "this index.",
-    "search": "hil search: rank one dataset's queries with one model and write the run as a TREC file "
-              "(--output). It searches the index hil index built for the same model, dataset, slice and "
-              "build-time settings (or builds it).",
+    "search": "hil search: rank one dataset's queries (evaluated as hil evaluate does), or your own without "
+              "judgments, with one model and write the run as a TREC file (--output). Your own: --queries FILE "
+              "(a BEIR queries.jsonl, or id<TAB>text lines) or --query TEXT (repeatable; ids q1, q2, ...; each "
+              "query's top hits printed). Searched: the index hil index built "
+              "for the same model, dataset, slice and build-time settings (or built now), or an index folder "
+              "(--index, its model read from its record). --jsonl writes each query's top --hits documents with "
+              "their texts.",
 }
 NOT_TAKEN = {
     "evaluate": {"command", "settings.keep_head_scores", "settings.keep_candidate_sources"},
@@ -104,10 +110,25 @@ def experiment_parser(prog: str, command: str = "evaluate") -> ArgumentParser:
     elif command == "search":
         parser.add_argument("--output", type=str, required=True,
                             help="the TREC run file written (one line per ranked document); an existing file is "
-                                 "refused unless --overwrite. The records that let a rerun reuse the ranking go to "
-                                 "<output>.parts/")
+                                 "refused unless --overwrite. The records that let a rerun reuse the ranking of a "
+                                 "dataset's judged queries go to <output>.parts/")
         parser.add_argument("--overwrite", action="store_true",
-                            help="replace the run file --output when it is there")
+                            help="replace the run file --output (and --jsonl) when it is there")
+        parser.add_argument("--queries", type=Optional[str], default=None, metavar="FILE",
+                            help="rank these queries (no judgments needed) instead of the dataset's: a BEIR "
+                                 "queries.jsonl or id<TAB>text lines (.jsonl / .tsv / .txt, else told by the first "
+                                 "line); a bad line is refused naming file:line")
+        parser.add_argument("--query", type=list[str], default=[], metavar="TEXT",
+                            help="rank this text (repeatable; ids q1, q2, ... in order) and print its top --hits")
+        parser.add_argument("--index", type=Optional[str], default=None, metavar="FOLDER",
+                            help="search this index folder (what hil index printed) instead of a dataset's; the "
+                                 "model is the one it records unless --model is given (it must be the model the "
+                                 "index was built with)")
+        parser.add_argument("--jsonl", type=Optional[str], default=None, metavar="FILE",
+                            help="also write each query's top --hits as JSON lines: query_id, query, rank, doc_id, "
+                                 "score, title, text (refused when there unless --overwrite)")
+        parser.add_argument("--hits", type=int, default=10,
+                            help="the hits per query printed (--query) and written to --jsonl")
     parser.add_class_arguments(Experiment, nested_key=None, fail_untyped=False,
                                skip={"output", "settings", *NOT_TAKEN[command]}, default={"datasets": [], "models": []})
     # a group of its own: jsonargparse skips a nested dataclass's keys only when it is added by itself
@@ -135,15 +156,16 @@ def parse_experiment(argv: list[str], prog: str, *, command: str = "evaluate") -
     return parse_command(argv, prog, command)[0]
 
 
-def parse_command(argv: list[str], prog: str, command: str) -> tuple[Experiment, dict[str, Any]]:
+def parse_command(argv: list[str], prog: str, command: str) -> tuple[Experiment | None, dict[str, Any]]:
     """:func:`parse_experiment`, and the options that are the command's own, not the experiment's (``hil search``'s
-    ``overwrite``). Every output is checked before any work (:func:`hil.errors.check_output_path`): ``hil search``'s
+    ``overwrite``, and its own queries: then ``own["request"]`` is what :func:`query_search` made of them, and the
+    experiment is None). Every output is checked before any work (:func:`hil.errors.check_output_path`): ``hil search``'s
     ``--output`` is a run file, refused when it is there unless ``--overwrite`` (the experiment writes its records
     into ``<output>.parts/``); ``hil index`` writes nothing but the index, so its experiment's output is the index
     root (never written into: a dataset's files are written only when a column is)."""
     printing = "--print_config" in argv  # printed below, with --model / --dataset folded in
     parser = experiment_parser(prog, command)
-    config = parser.parse_args([arg for arg in argv if arg != "--print_config"])
+    config = parser.parse_args([arg for arg in joined_queries(argv) if arg != "--print_config"])
     argv = parser.argv  # --config recipes resolved to their files
     for value in config.pop("model") or []:
         named = "=" in value and not os.path.exists(value)
@@ -165,7 +187,10 @@ def parse_command(argv: list[str], prog: str, command: str) -> tuple[Experiment,
         raise UserError("hil index writes an index: give --settings.index_root")
     fields = {key: value for key, value in vars(parser.instantiate(config)).items()
               if key not in ("config", "model", "dataset", *SLICE_SHORTCUTS) and not key.startswith("__")}
-    own = {key: fields.pop(key) for key in ("overwrite",) if key in fields}
+    own = {key: fields.pop(key) for key in ("overwrite", *QUERY_OPTIONS) if key in fields}
+    if command == "search" and (own["query"] or own["queries"] or own["index"]):
+        own["request"] = query_search(fields, own, slices, argv)
+        return None, own
     if not fields["datasets"]:
         raise UserError("no dataset: give --dataset NAME or datasets in a --config file")
     if command == "search":
@@ -183,15 +208,94 @@ def parse_command(argv: list[str], prog: str, command: str) -> tuple[Experiment,
     return Experiment(**{**fields, "command": {"argv": argv}}), own
 
 
+QUERY_OPTIONS = ("query", "queries", "index", "jsonl", "hits")  # hil search's own queries (query_search)
+
+
+def joined_queries(argv: list[str]) -> list[str]:
+    """``argv`` with its ``--query TEXT`` options (repeatable, free text) joined into one ``--query`` JSON list where
+    the first was: the form a typed list option reads (a YAML value, so ``a: b`` or ``[x]`` in a text would not
+    be read as typed), and the ``query:`` list ``--print_config`` prints."""
+    texts, out, position = [], [], None
+    arguments = iter(argv)
+    for arg in arguments:
+        if arg in ("--query", "--query+") or arg.startswith(("--query=", "--query+=")):
+            text = arg.partition("=")[2] if "=" in arg else next(arguments, None)
+            if text is None:
+                raise UserError("--query: give the query's text after it")
+            texts.append(text)
+            position = len(out) if position is None else position
+        else:
+            out.append(arg)
+    if position is not None:
+        out[position:position] = ["--query", json.dumps(texts, ensure_ascii=False)]
+    return out
+
+
+def query_search(fields: dict[str, Any], own: dict[str, Any], slices: dict[str, int | None],
+                 argv: list[str]) -> QuerySearch:
+    """``hil search`` over the user's own queries (:mod:`hil.evaluation.search_run`): the queries read (a bad line
+    refused naming file:line), the index's record read, the dataset found, every output checked, all before any
+    model loads."""
+    from hil.data.beir import dataset_source
+    from hil.data.irds import is_irds_name
+    from hil.data.query_files import inline_queries, read_queries_file
+    from hil.evaluation.experiment import Experiment
+    from hil.evaluation.search_run import (QuerySearch, check_new_file, read_index_record, recorded_model,
+                                           settings_for_index)
+
+    if own["query"] and own["queries"]:
+        raise UserError("give --query TEXT or --queries FILE, not both")
+    if not (own["query"] or own["queries"]):
+        raise UserError(f"--index {own['index']} searches the queries you give: add --query TEXT or --queries FILE")
+    if own["hits"] < 1:
+        raise UserError(f"--hits must be >= 1 (got {own['hits']})")
+    models, datasets, settings = fields["models"], fields["datasets"], fields["settings"]
+    if len(models) > 1:
+        raise UserError(f"hil search ranks with one --model (got {len(models)})")
+    if models and models[0].transforms:
+        raise UserError("hil search ranks your queries with the model itself; post-hoc transforms are measured by "
+                        "hil evaluate")
+    run_file = check_new_file(fields["output"], "--output", own["overwrite"])
+    jsonl = check_new_file(own["jsonl"], "--jsonl", own["overwrite"]) if own["jsonl"] else None
+    if jsonl is not None and jsonl.resolve() == run_file.resolve():
+        raise UserError(f"--jsonl {jsonl}: the same file as --output; give two paths")
+    queries = inline_queries(own["query"]) if own["query"] else read_queries_file(own["queries"])
+    if own["query"]:  # made-up ids (q1, ...) never name the query's own document, as BEIR's rule assumes
+        settings = replace(settings, drop_self_matches=False)
+    common = dict(queries=queries, run_file=run_file, jsonl=jsonl, overwrite=own["overwrite"], hits=own["hits"],
+                  printed=bool(own["query"]), seed=fields["seed"],
+                  data_dir=fields["data_dir"], quiet=fields["quiet"])
+    if own["index"]:
+        index = Path(own["index"])
+        if datasets or any(value is not None for value in slices.values()):
+            raise UserError(f"--index {index} searches that index's own corpus (and slice): leave out --dataset and "
+                            "--max_docs / --max_queries, or leave out --index to search a dataset")
+        meta = read_index_record(index)
+        settings = settings_for_index(settings, index, meta)
+        model = models[0] if models else recorded_model(index, meta)
+        return QuerySearch(settings=settings, index=index, index_meta=meta, model=model,
+                           model_from_index=not models, **common)
+    if len(models) != 1 or len(datasets) != 1:
+        raise UserError(f"hil search takes one --model and one --dataset, or --index (got {len(models)} and "
+                        f"{len(datasets)})")
+    if datasets[0].first_stage_run is not None:
+        raise UserError(f"dataset {datasets[0].name}: its first_stage_run ranks its own queries; yours are ranked "
+                        "by the model (settings.mode full or exhaustive, or rerank of BM25's candidates)")
+    if not is_irds_name(datasets[0].name):  # a misspelled dataset or a missing folder: refused before the model
+        dataset_source(datasets[0].name, fields["data_dir"])
+    experiment = Experiment(**{**fields, "settings": settings, "output": str(run_file.parent),
+                               "command": {"argv": argv}})
+    return QuerySearch(settings=settings, experiment=experiment, **common)
+
+
 def evaluate_command(argv: list[str]) -> int:
     """Run the experiment (``--print_config``: print it as YAML, jsonargparse's own, and stop)."""
     experiment = parse_experiment(argv, f"{PROG} evaluate")  # first: --help and refusals load no model code
     from hil.evaluation.results import format_statistics, format_table
     from hil.evaluation.runner import run_experiment
 
-    for result in run_experiment(experiment):
-        dataset = result.dataset
-        print(f"\n{dataset.name} ({dataset.split}: {len(dataset.queries)} queries, {len(dataset.corpus)} documents)")
+    for result in run_experiment(experiment):  # a folder of forums (cqadupstack): each forum, then their mean
+        print(f"\n{result.describe()}")
         print(format_table([*result.evaluations(), *(column.as_evaluation() for column in result.others)]))
         if result.others:
             print(f"(also in metrics.json: {', '.join(column.name for column in result.others)}, written into "
@@ -206,6 +310,11 @@ def single(experiment: Experiment, what: str) -> tuple[ModelSpec, DatasetSpec, E
     if len(experiment.models) != 1 or len(experiment.datasets) != 1:
         raise UserError(f"{what} takes one --model and one --dataset (got {len(experiment.models)} and "
                         f"{len(experiment.datasets)})")
+    forums = experiment.datasets[0].forums(experiment.data_dir)
+    if False:  # BEIR's cqadupstack: one index and one run per forum
+        raise UserError(f"{what} takes one dataset; --dataset {experiment.datasets[0].name} is a folder of "
+                        f"{len(forums)} ({', '.join(Path(forum.name).name for forum in forums)}): give one of them, "
+                        f"e.g. {forums[0].name} (hil evaluate takes the folder whole)")
     return experiment.models[0], experiment.datasets[0], experiment.settings
 
 
@@ -213,15 +322,20 @@ def index_command(argv: list[str]) -> int:
     """Build the index of one model over one dataset's corpus (or check and reuse it); print where it is. The
     dataset is loaded and sliced as ``hil search`` and ``hil evaluate`` load and slice it
     (:class:`~hil.evaluation.runner.DatasetRun`), and the model given the IDF they give it, so that the index is
-    theirs: the same corpus and encoder fingerprints, the same folder."""
+    theirs: the same corpus and encoder fingerprints, the same folder. Beside it, ``corpus.json`` records the dataset
+    slice (:func:`~hil.evaluation.search_run.write_corpus_record`), and the index records the model by its absolute
+    path when it is a local one, so that ``hil search --index`` finds both from anywhere."""
     experiment = parse_experiment(argv, f"{PROG} index", command="index")
     model, dataset_spec, _ = single(experiment, "hil index")
+    if os.path.exists(model.source):
+        model = replace(model, source=str(Path(model.source).resolve()))
     if model.transforms:
         raise UserError(f"hil index builds the index of the model itself; a post-hoc transform's "
                         f"({', '.join(model.transforms)}) is derived from it by hil evaluate: give the transforms "
                         "there")
     from hil.evaluation.evaluate import document_store, place_encoder
     from hil.evaluation.runner import DatasetRun, load_model, set_corpus_idf
+    from hil.evaluation.search_run import write_corpus_record
 
     part = DatasetRun(experiment, dataset_spec)
     encoder = load_model(model, experiment.seed)
@@ -229,6 +343,7 @@ def index_command(argv: list[str]) -> int:
         set_corpus_idf(encoder, part.dataset, model.source)
     place_encoder(encoder, part.settings)
     index = document_store(encoder, part.dataset, part.settings)
+    write_corpus_record(index.directory, experiment, dataset_spec, part.dataset.fingerprint())
     print(f"{index.directory} ({index.how_opened}): {index.n_docs} documents, {index.n_tokens} tokens, "
           f"backend {index.backend_settings['kind']} {index.backend_settings['params']}")
     return 0
@@ -237,8 +352,11 @@ def index_command(argv: list[str]) -> int:
 def search_command(argv: list[str]) -> int:
     """One model's ranking of one dataset's queries, written as a TREC run (``--output`` is the run file; the
     experiment's column files, which let a rerun with the same settings reuse the ranking, go to
-    ``<output>.parts/``, whose run is the same file as ``--output``: a hard link, not a second copy)."""
+    ``<output>.parts/``, whose run is the same file as ``--output``: a hard link, not a second copy). With the
+    user's own queries (``--queries`` / ``--query`` / ``--index``): :func:`own_queries_search`."""
     experiment, own = parse_command(argv, f"{PROG} search", "search")
+    if experiment is None:
+        return own_queries_search(own["request"])
     model, _, _ = single(experiment, "hil search")
     if len(model.transforms) > 1:
         raise UserError(f"hil search writes one run: give it one transform at most (got {len(model.transforms)}; "
@@ -252,6 +370,25 @@ def search_command(argv: list[str]) -> int:
     link_run(folder / f"{column.name}.trec", run_file, overwrite=own["overwrite"])
     print(f"wrote {run_file} ({column.name}: nDCG@10 {column.record['metrics'].get('ndcg@10', float('nan')):.4f}; "
           f"the records that let a rerun reuse it: {folder}/)")
+    return 0
+
+
+def own_queries_search(request: QuerySearch) -> int:
+    """Rank the user's queries (no judgments), write the run (and the JSONL hits), print each typed query's top
+    hits (:mod:`hil.evaluation.search_run`)."""
+    from hil.evaluation.search_run import hit_lines, run_query_search, write_outputs
+
+    result = run_query_search(request)
+    write_outputs(result, request)
+    details = result.details
+    where = details.get("index_dir") or "the corpus encoded in memory"
+    if request.printed:
+        for qid in result.queries:
+            print("\n".join(hit_lines(result, qid, request.hits)) + "\n")
+        if result.texts is None:
+            print(f"(no texts: {request.index} has no record of its corpus; hil index writes one)")
+    print(f"wrote {request.run_file} ({len(result.run)} queries, {details.get('mode')} search of {where})"
+          + (f" and {request.jsonl}" if request.jsonl is not None else ""))
     return 0
 
 
