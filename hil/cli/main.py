@@ -311,7 +311,7 @@ def single(experiment: Experiment, what: str) -> tuple[ModelSpec, DatasetSpec, E
         raise UserError(f"{what} takes one --model and one --dataset (got {len(experiment.models)} and "
                         f"{len(experiment.datasets)})")
     forums = experiment.datasets[0].forums(experiment.data_dir)
-    if False:  # BEIR's cqadupstack: one index and one run per forum
+    if forums:  # BEIR's cqadupstack: one index and one run per forum
         raise UserError(f"{what} takes one dataset; --dataset {experiment.datasets[0].name} is a folder of "
                         f"{len(forums)} ({', '.join(Path(forum.name).name for forum in forums)}): give one of them, "
                         f"e.g. {forums[0].name} (hil evaluate takes the folder whole)")
