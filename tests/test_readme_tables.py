@@ -107,7 +107,7 @@ def test_measured_rows_come_from_their_files_and_a_missing_one_says_so(tmp_path)
     assert lines[3] == "| ColBERT, untrained head (random 128-d projection, seed 12345) | - | - | - |"
     assert lines[4] == ("| ColBERT, `configs/presets/cpu.yaml` (64 steps x 32 MS MARCO triples) | 0.642 | 0.602 | "
                         "0.887 |")
-    assert lines[8] == "- BM25 and ColBERT: `results/demo/metrics.json` from `make demo`"
+    assert lines[8] == "- BM25 and ColBERT: `results/demo/metrics.json` from `make demo DEMO_RESULTS=results/demo`"
     assert lines[9].startswith("- untrained head: `results/demo-untrained/metrics.json` from `python evaluate.py")
     assert lines[9].endswith(", not measured yet")
 

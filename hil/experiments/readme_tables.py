@@ -13,9 +13,10 @@ equals the rendering of the committed files.
   (``--publish docs/paper-cpu-fidelity``; ``--report-only`` recomputes it from the ``eval/`` records beside it).
 - ``distill-cpu``: ``docs/distill-cpu/table.json``, written by ``hil beir`` over the distilled models (docs/results.md,
   "Distillation at CPU scale").
-- ``measured-here``: the ``metrics.json`` of ``make demo`` and of the commands :data:`MEASURED_HERE` lists beside
-  each row. A row whose file is not there is rendered as ``-`` and named under the table with its command, instead
-  of a figure nobody can regenerate.
+- ``measured-here``: the ``metrics.json`` of ``make demo DEMO_RESULTS=results/demo`` (a plain ``make demo`` writes
+  under ``runs/``, leaving the committed record alone) and of the commands :data:`MEASURED_HERE` lists beside each
+  row. A row whose file is not there is rendered as ``-`` and named under the table with its command, instead of a
+  figure nobody can regenerate.
 
 Why here and not under ``bench/``: the renderer reads the records of this package's own commands (``summary.json``
 of the paper experiment, ``metrics.json`` of ``evaluate.py``) and formats them with the package's formatters
@@ -60,13 +61,13 @@ class MeasuredRow:
 
 
 MEASURED_HERE: tuple[MeasuredRow, ...] = (
-    MeasuredRow("BM25 (bm25s, as above)", "BM25", "results/demo/metrics.json", "bm25", "make demo"),
+    MeasuredRow("BM25 (bm25s, as above)", "BM25", "results/demo/metrics.json", "bm25", "make demo DEMO_RESULTS=results/demo"),
     MeasuredRow("ColBERT, untrained head (random 128-d projection, seed 12345)", "untrained head",
                 "results/demo-untrained/metrics.json", "model",
                 "python evaluate.py --model sentence-transformers/all-MiniLM-L6-v2 --dataset scifact --dim 128 "
                 "--output results/demo-untrained"),
     MeasuredRow("ColBERT, `configs/presets/cpu.yaml` (64 steps x 32 MS MARCO triples)", "ColBERT",
-                "results/demo/metrics.json", "model", "make demo"),
+                "results/demo/metrics.json", "model", "make demo DEMO_RESULTS=results/demo"),
     MeasuredRow("ColBERT-HIL, `configs/variants/colbert_hil.yaml` + the same preset", "ColBERT-HIL",
                 "results/demo-hil/metrics.json", "model",
                 "python train.py fit --config configs/colbert.yaml --config configs/variants/colbert_hil.yaml "
