@@ -266,3 +266,63 @@ def test_print_config_fed_back_is_the_same_search(built, tmp_path, capsys):
     assert hil_main(["search", *argv, "--overwrite"]) == 0
     assert ((tmp_path / "run.trec").read_text(), (tmp_path / "hits.jsonl").read_text()) == first
     assert len(read_run(tmp_path / "run.trec")["q2"]) == 4
+
+
+def test_an_index_whose_recorded_dataset_changed_is_refused_for_texts(built, tmp_path, capsys):
+    import shutil
+
+    beir = tmp_path / "beir"
+    shutil.copytree(built["beir"], beir)
+    index = tmp_path / "indexes" / built["index"].parent.name / built["index"].name
+    shutil.copytree(built["index"], index)
+    record = json.loads((built["index"].parent / "corpus.json").read_text())
+    record["dataset"]["name"] = str(beir)
+    (index.parent / "corpus.json").write_text(json.dumps(record))
+    with open(beir / "corpus.jsonl", "a") as corpus:  # a document added since the index was built
+        corpus.write(json.dumps({"_id": "new", "title": "", "text": "gene"}) + "\n")
+    assert hil_main(["search", "--index", str(index), "--query", "gene", "--output", str(tmp_path / "r.trec"),
+                     *QUIET]) == 2
+    assert "no longer gives the corpus the index was built from" in capsys.readouterr().err
+    assert not (tmp_path / "r.trec").exists()
+
+
+def test_a_run_file_another_process_wrote_during_the_search_is_kept(built, tmp_path, capsys, monkeypatch):
+    import hil.evaluation.search_run as search_run
+
+    searched = search_run.run_query_search
+
+    def meanwhile(request):  # the search runs; another process takes the --output name before it ends
+        result = searched(request)
+        request.run_file.write_text("theirs\n")
+        return result
+
+    monkeypatch.setattr(search_run, "run_query_search", meanwhile)
+    run_file = tmp_path / "run.trec"
+    assert hil_main(["search", "--index", str(built["index"]), "--query", "gene", "--output", str(run_file),
+                     *QUIET]) == 2
+    assert "written by another process while this search ran" in capsys.readouterr().err
+    assert run_file.read_text() == "theirs\n" and sorted(p.name for p in tmp_path.iterdir()) == ["run.trec"]
+
+
+def test_the_documented_own_query_searches_run(built, tmp_path, capsys):
+    """The README's and the guide's ``hil search`` lines with --query / --queries / --index (inline, in prose), run
+    with the tiny model, dataset and index in place of theirs."""
+    import re
+    import shlex
+
+    root = Path(__file__).resolve().parents[1]
+    text = "\n".join((root / name).read_text(encoding="utf-8") for name in ("README.md", "docs/guide.md"))
+    commands = [" ".join(span.split()) for span in re.findall(r"`(hil search [^`]*)`", text)
+                if re.search(r"--(query|queries|index) ", span)]
+    assert len(commands) >= 3, commands
+    (tmp_path / "q.tsv").write_text("a\tgene therapy\n")
+    swap = {"--model": str(built["export"]), "--dataset": str(built["beir"]), "--index": str(built["index"]),
+            "--queries": str(tmp_path / "q.tsv"), "--output": str(tmp_path / "run.trec"),
+            "--jsonl": str(tmp_path / "hits.jsonl")}
+    for command in commands:
+        args = shlex.split(command)[2:]
+        argv = [swap.get(args[i - 1], arg) if i else arg for i, arg in enumerate(args)]
+        assert hil_main(["search", *argv, "--settings.index_root", str(built["index_root"]), "--overwrite",
+                         *QUIET]) == 0, command
+        assert read_run(tmp_path / "run.trec"), command
+    assert [path.parent for path in built["index_root"].glob("*/*/index.json")] == [built["index"]]
