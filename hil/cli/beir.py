@@ -11,7 +11,7 @@ from hil.cli.parsers import CommandParser, module_doc, namespace_dict, returns_s
 from hil.errors import exit_status
 from hil.evaluation.settings import MODES
 from hil.evaluation.statistics import P_ADJUST_METHODS
-from hil.experiments.beir_sets import BY_KEY
+from hil.experiments.beir_sets import BY_KEY, check_selection
 from hil.retrieval.backends.configs import BACKEND_KINDS
 from hil.retrieval.choices import PRECISIONS
 
@@ -62,6 +62,8 @@ def build_parser() -> CommandParser:
 @returns_status
 def main(argv: list[str] | None = None) -> int:
     args = argparse.Namespace(**namespace_dict(build_parser().parse_args(argv)))
+    if exit_status(PROG, lambda: check_selection(args.datasets, args.data_dir)):  # before any model (torch) code
+        return 2
     from transformers.utils import logging as transformers_logging
 
     from hil.experiments import beir

@@ -13,6 +13,11 @@ no local folder the Hugging Face hub copies ``BeIR/<name>`` and ``BeIR/<name>-qr
 only). ``irds:<id>`` is read through ir_datasets (:mod:`hil.data.irds`) into the same :class:`BeirDataset`. A folder,
 split or dataset that cannot be found is a :class:`~hil.errors.MissingInputError` naming it.
 
+* A dataset's default split is :func:`default_split`'s, the one place every command takes it from: ``test``,
+  as BEIR reports every dataset but MS MARCO, which it reports on ``dev`` (its ``test`` qrels are TREC DL 2019's 43
+  queries).
+* A folder holding several BEIR folders instead of one (BEIR's ``cqadupstack``: a folder per forum) is not one
+  dataset: :func:`forum_folders` lists its parts, which an experiment evaluates one by one and averages.
 * Only queries judged in the split are kept (BEIR convention); their judgments with score 0 stay in ``qrels``.
 * Judgments of documents outside the corpus (some official BEIR qrels; many in a re-ranking set like TREC DL 2019)
   count in the ideal DCG for BEIR and trec_eval: ``load_beir`` keeps them by default (one warning line gives their
@@ -40,8 +45,9 @@ from hil.paths import DATA_DIR_ENV, resolve_dataset
 from hil.provenance import fingerprint_strings
 
 # The file readers are part of this module's interface too (``from hil.data.beir import read_qrels_tsv``).
-__all__ = ["BeirDataset", "OutsideCorpus", "drop_self_matches", "iter_text_lines", "load_beir", "load_collection_tsv",
-           "load_topics_tsv", "load_trec_qrels", "read_corpus_jsonl", "read_qrels_tsv", "read_queries_jsonl"]
+__all__ = ["BeirDataset", "OutsideCorpus", "default_split", "drop_self_matches", "forum_folders", "iter_text_lines",
+           "load_beir", "load_collection_tsv", "load_topics_tsv", "load_trec_qrels", "read_corpus_jsonl",
+           "read_qrels_tsv", "read_queries_jsonl"]
 
 
 
@@ -155,6 +161,32 @@ def _first_existing(folder: Path, *names: str) -> Path | None:
     return None
 
 
+def default_split(name_or_path: str | os.PathLike) -> str:
+    """The split evaluated when none is given: ``dev`` for BEIR's ``msmarco`` (a name, ``BeIR/msmarco``, or a
+    folder of that name), as BEIR reports it (its ``test`` qrels are TREC DL 2019's), else ``test``. The one place
+    every command and :func:`load_beir` take the default from."""
+    return "dev" if Path(str(name_or_path).rstrip("/")).name.lower() == "msmarco" else "test"
+
+
+def _is_beir_folder(folder: Path) -> bool:
+    return _first_existing(folder, "corpus.jsonl", "corpus.jsonl.gz") is not None and \
+        _first_existing(folder, "queries.jsonl", "queries.jsonl.gz") is not None
+
+
+def forum_folders(name_or_path: str | os.PathLike, data_dir: str | os.PathLike | None = None) -> tuple[Path, ...]:
+    """The BEIR folders inside a local folder of several (BEIR's ``cqadupstack``: one per forum, each with its
+    corpus, queries and qrels), sorted by name; ``()`` for a dataset folder itself, a hub name or an ``irds:`` id.
+    BEIR reports such a folder as the mean of its parts' scores
+    (:func:`hil.evaluation.results.forum_mean`)."""
+    if is_irds_name(name_or_path):
+        return ()
+    folder, _ = dataset_source(name_or_path, data_dir)
+    if folder is None or _is_beir_folder(folder):
+        return ()
+    return tuple(sorted((sub for sub in folder.iterdir() if sub.is_dir() and _is_beir_folder(sub)),
+                        key=lambda sub: sub.name))
+
+
 def _load_folder(folder: Path, name: str, split: str, outside_corpus: OutsideCorpus,
                  relevance_level: int) -> BeirDataset:
     corpus_path = _first_existing(folder, "corpus.jsonl", "corpus.jsonl.gz")
@@ -162,6 +194,11 @@ def _load_folder(folder: Path, name: str, split: str, outside_corpus: OutsideCor
     qrels_path = _first_existing(folder / "qrels", f"{split}.tsv", f"{split}.tsv.gz")
     if corpus_path is None or queries_path is None:
         missing = "corpus.jsonl" if corpus_path is None else "queries.jsonl"
+        forums = forum_folders(folder)
+        if forums:  # BEIR's cqadupstack: hil evaluate takes it whole; one dataset is one of its parts
+            raise MissingInputError(f"{folder}: a folder of {len(forums)} BEIR datasets "
+                                    f"({', '.join(f.name for f in forums)}), not one: hil evaluate takes it whole "
+                                    f"(their mean, as BEIR reports it); here give one of them, e.g. {forums[0]}")
         raise MissingInputError(f"{folder}: no {missing} (expected the BEIR layout: corpus.jsonl, queries.jsonl, "
                                 f"qrels/<split>.tsv)")
     if qrels_path is None:
@@ -217,7 +254,7 @@ def _looks_like_path(name_or_path: str) -> bool:
     return name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1 or os.sep != "/" and os.sep in name_or_path
 
 
-def load_beir(name_or_path: str | os.PathLike, split: str = "test", data_dir: str | os.PathLike | None = None, *,
+def load_beir(name_or_path: str | os.PathLike, split: str | None = None, data_dir: str | os.PathLike | None = None, *,
               judged_outside_corpus: OutsideCorpus = "keep", relevance_level: int | None = None) -> BeirDataset:
     """Load one split of a BEIR dataset from a local folder, else from the Hugging Face hub; or an ir_datasets
     dataset.
@@ -229,18 +266,22 @@ def load_beir(name_or_path: str | os.PathLike, split: str = "test", data_dir: st
     :class:`~hil.errors.MissingInputError` (a ``FileNotFoundError``). ``judged_outside_corpus``,
     ``relevance_level``: see the module docstring (TREC DL, ``msmarco/dl19``: ``"keep"`` and 2); ``None`` (the
     default) is the dataset's own: 1 for a folder or the hub, the official measures' level for ``irds:``.
+    ``split``: None (the default) is the dataset's own, :func:`default_split` (``dev`` for MS MARCO, else
+    ``test``; an ``irds:`` id names its split).
     """
     check_options(judged_outside_corpus, 1 if relevance_level is None else relevance_level)
     if is_irds_name(name_or_path):
-        check_split(str(name_or_path), split, default="test")
+        if split is not None:
+            check_split(str(name_or_path), split, default="test")
         data = read_irds(str(name_or_path), judged_outside_corpus)
         return _dataset(data.name, data.corpus, data.queries, data.qrels, data.dataset_id, data.source,
                         data.relevance_level if relevance_level is None else relevance_level)
     relevance_level = 1 if relevance_level is None else relevance_level
     folder, hub_name = dataset_source(name_or_path, data_dir)
     if folder is not None:
-        return _load_folder(folder, folder.name, split, judged_outside_corpus, relevance_level)
-    return _load_hub(hub_name, split, judged_outside_corpus, relevance_level)
+        return _load_folder(folder, folder.name, split or default_split(folder), judged_outside_corpus,
+                            relevance_level)
+    return _load_hub(hub_name, split or default_split(hub_name), judged_outside_corpus, relevance_level)
 
 
 def dataset_source(name_or_path: str | os.PathLike, data_dir: str | os.PathLike | None = None) -> tuple[Path | None,

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
 
+from hil.data.beir import dataset_source, forum_folders
+from hil.data.irds import is_irds_name
 from hil.errors import UserError, check_output_path
 from hil.evaluation.metrics import canonical_metrics
 from hil.evaluation.settings import EvaluationSettings, run_name
@@ -103,9 +105,14 @@ class ModelSpec:
 class DatasetSpec:
     """One dataset: a BEIR name or folder, ``irds:<id>``, with its split, an optional first-stage run, a slice.
 
+    A folder of several BEIR folders (BEIR's ``cqadupstack``, a folder per forum) is evaluated as BEIR reports it:
+    each part on its own (:meth:`forums`, into ``<key>/<forum>/``), and the mean over the parts
+    (:func:`hil.evaluation.results.forum_mean`, the rule ``hil beir`` uses) written into ``<key>/``.
+
     Args:
         name: what :func:`hil.data.beir.load_beir` loads.
-        split: the qrels split.
+        split: the qrels split (None: the dataset's own, :func:`hil.data.beir.default_split`: ``dev`` for MS
+            MARCO, as BEIR reports it, else ``test``).
         first_stage_run: a TREC run file whose documents are re-ranked (TREC DL's ``bm25-top100.trec``); scored as
             given, it is the baseline column.
         rerank_depth: candidates per query taken from the baseline (default: 100 of BM25's, all of a run file's).
@@ -119,7 +126,7 @@ class DatasetSpec:
     """
 
     name: str
-    split: str = "test"
+    split: str | None = None
     first_stage_run: str | None = None
     first_stage_name: str | None = None
     always_rerank: bool = False
@@ -134,6 +141,15 @@ class DatasetSpec:
             value = getattr(self, option)
             if value is not None and value < 1:
                 raise UserError(f"{option} must be >= 1 (got {value})")
+
+    def forums(self, data_dir: str | None = None) -> tuple["DatasetSpec", ...]:
+        """One spec per part of a folder of several BEIR folders (:func:`hil.data.beir.forum_folders`), each keyed
+        ``<key>/<part>``; ``()`` for one dataset."""
+        forums = forum_folders(self.name, data_dir)
+        if forums and self.first_stage_run is not None:
+            raise UserError(f"dataset {self.name}: a folder of {len(forums)} datasets; a first-stage run belongs to "
+                            "one of them: give that one")
+        return tuple(replace(self, name=str(forum), key=f"{self.folder_key}/{forum.name}") for forum in forums)
 
     @property
     def folder_key(self) -> str:
@@ -198,6 +214,14 @@ class Experiment:
             raise UserError("folders='flat' writes one dataset's files into the output folder: give one dataset")
         if not self.datasets:
             raise UserError("an experiment needs at least one dataset")
+        for spec in self.datasets:  # first: a misspelled name or a missing folder costs no model (torch) import
+            if not is_irds_name(spec.name):
+                dataset_source(spec.name, self.data_dir)
+            forums = spec.forums(self.data_dir)
+            if forums and self.folders == "flat":
+                raise UserError(f"dataset {spec.name}: a folder of {len(forums)} datasets, written one by one into "
+                                f"<output>/<dataset>/ (folders 'flat' holds one): give one of them, e.g. "
+                                f"{forums[0].name}")
         if self.models and self.settings.index_root is not None:  # every model's documents go into an index there
             check_output_path(self.settings.index_root, "settings.index_root", folder=True)
         check_output_path(self.output, "output", folder=True)

@@ -11,29 +11,90 @@ complete files, never a mix within a file, and a killed writer leaves the previo
 experiment runner reads the folder's ``metrics.json`` before writing it and keeps the other evaluation's columns
 measured in the same context (:func:`other_columns`): two evaluations of different models into one folder, side by
 side, leave one ``metrics.json`` holding both.
+
+A folder of several datasets (BEIR's CQADupStack, a folder per forum) is reported as BEIR reports it: the mean of
+its forums' means, every forum counting the same whatever its number of queries (:func:`forum_mean`, the one rule
+of ``hil evaluate``'s row, :func:`forum_mean_result`, and of ``hil beir``'s table, :mod:`hil.experiments.beir_table`).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Collection, Sequence
+from typing import Any, Collection, Mapping, Sequence
 
 import numpy as np
 
 from hil.data.beir import BeirDataset
 from hil.evaluation.evaluate import Evaluation
+from hil.evaluation.experiment import StatisticsSettings
 from hil.evaluation.runs import write_trec_run
 from hil.evaluation.statistics import (P_ADJUST_NAMES, SIGNIFICANCE_LEVEL, add_adjusted, adjust_p_values,
                                        bm25_easy_split, bootstrap_ci, paired_bootstrap_test, paired_permutation_test,
-                                       paired_t_test)
+                                       paired_t_test, stratified_bootstrap_ci)
+from hil.modeling.contracts import Encoder
 from hil.provenance import file_lock, provenance, write_json_atomic
 
 RESULTS_LOCK = ".hil-results.lock"  # inside the results folder (which is never replaced as a whole)
 # The comparisons adjusted together: a reference run's several challengers on one metric (every model against BM25;
 # every transform against the plain model), as 001 Table 2 compares every variant with ColBERT.
 PAIRED_FAMILY = "the runs compared with one reference run (b) on one metric"
+
+
+@dataclass
+class Column:
+    """A finished column: its record (as on disk) and, when computed in this run, its evaluation and the encoder
+    that made it (the transformed encoder for a transform column)."""
+
+    name: str
+    record: dict[str, Any]
+    evaluation: Evaluation | None = None
+    encoder: Encoder | None = None
+
+    def as_evaluation(self) -> Evaluation:
+        """The evaluation, or one rebuilt from the record (per-query metrics; the run stays in its .trec file)."""
+        if self.evaluation is not None:
+            return self.evaluation
+        return Evaluation(self.name, {}, self.record["metrics"], self.record["per_query"],
+                          self.record.get("details", {}))
+
+
+@dataclass
+class DatasetResult:
+    """One dataset's columns (baseline first) and statistics, and where they were written; ``others``: the columns
+    of other evaluations into the same folder that ``metrics.json`` (and the statistics) hold beside them. For a
+    folder of several datasets (:func:`forum_mean_result`): ``forums``, each part's result, and no ``dataset``."""
+
+    key: str
+    dataset: BeirDataset | None
+    columns: list[Column]
+    statistics: dict[str, Any] | None
+    metrics_path: Path
+    others: list[Column] = field(default_factory=list)
+    forums: list["DatasetResult"] = field(default_factory=list)
+
+    def evaluations(self) -> list[Evaluation]:
+        return [column.as_evaluation() for column in self.columns]
+
+    def describe(self) -> str:
+        """``name (split: N queries, M documents)``; for a mean over forums, which ones, and their sizes summed."""
+        if self.dataset is not None:
+            return (f"{self.dataset.name} ({self.dataset.split}: {len(self.dataset.queries)} queries, "
+                    f"{len(self.dataset.corpus)} documents)")
+        parts = [part.dataset for part in self.forums if part.dataset is not None]
+        return (f"{self.key} (the mean of {len(parts)} forums, as BEIR reports it: "
+                f"{', '.join(part.name for part in parts)}; {parts[0].split}: "
+                f"{sum(len(part.queries) for part in parts)} queries, {sum(len(part.corpus) for part in parts)} "
+                "documents)")
+
+
+def paired_comparisons(columns: Sequence[Column], baseline: str | None,
+                       transforms_of: dict[str, str]) -> list[tuple[str, str]]:
+    """Every model column against the baseline, and each transform column against its plain model."""
+    names = [column.name for column in columns if column.name != baseline]
+    pairs = [(name, baseline) for name in names if baseline is not None]
+    return pairs + [(name, plain) for name, plain in transforms_of.items() if name in names]
 
 
 def evaluation_statistics(evaluations: Sequence[Evaluation], *, metrics: Sequence[str] = ("ndcg@10",),
@@ -213,3 +274,101 @@ def format_table(evaluations: list[Evaluation], metrics: Sequence[str] | None = 
         lines.append(e.name.ljust(width) + "".join(f"{e.aggregate[m]:>13.4f}" if m in e.aggregate else f"{'-':>13}"
                                                    for m in names))
     return "\n".join(lines)
+
+
+# -- a folder of several datasets (BEIR's CQADupStack) -------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Cell:
+    """One column on one dataset and metric: the mean and per-query values whose plain mean it is; for a mean over
+    forums, each forum's own per-query values (``strata``)."""
+
+    mean: float
+    per_query: dict[str, float]
+    strata: dict[str, list[float]] | None = None
+
+
+def record_cell(record: Mapping[str, Any], metric: str) -> Cell:
+    """A results record's mean metric and its per-query values."""
+    return Cell(float(record["metrics"][metric]), {q: float(row[metric]) for q, row in record["per_query"].items()})
+
+
+def forum_mean(forums: Mapping[str, Cell]) -> Cell:
+    """CQADupStack: the mean of the forums' means (BEIR's convention); per-query values (``<forum>/<qid>``) scaled
+    by N / (F * n_f) so that their plain mean is that mean. Forums are taken in name order, so that every command
+    adds the same numbers in the same order."""
+    forums = dict(sorted(forums.items()))
+    total = sum(len(cell.per_query) for cell in forums.values())
+    per_query = {f"{forum}/{qid}": value * total / (len(forums) * len(cell.per_query))
+                 for forum, cell in forums.items() for qid, value in cell.per_query.items()}
+    return Cell(float(np.mean([cell.mean for cell in forums.values()])), per_query,
+                {forum: list(cell.per_query.values()) for forum, cell in forums.items()})
+
+
+def forum_mean_result(key: str, folder: Path, forums: Sequence[DatasetResult], baseline: str | None,
+                      settings: dict[str, Any], statistics: StatisticsSettings | None, seed: int) -> DatasetResult:
+    """The row of a folder of several datasets from its forums' results: every metric of each column the mean of
+    the forums' (:func:`forum_mean`), each forum's own figures beside it; written as ``folder/metrics.json`` (under
+    the folder's lock; the per-query values stay in each forum's folder). A column is in the row when every forum
+    has it. ``statistics``: intervals stratified by forum and paired tests on the pooled scaled values
+    (:func:`forum_statistics`), as ``hil beir``'s table computes them."""
+    by_forum = {part.key.rsplit("/", 1)[-1]: {column.name: column.record for column in [*part.columns, *part.others]}
+                for part in forums}
+    first = next(iter(by_forum.values()))
+    names = [name for name in first if all(name in records for records in by_forum.values())]
+    cells: dict[str, dict[str, Cell]] = {}
+    columns = []
+    for name in names:
+        of_column = {forum: records[name] for forum, records in by_forum.items()}
+        metrics = [m for m in first[name]["metrics"] if all(m in record["metrics"] for record in of_column.values())]
+        cells[name] = {m: forum_mean({forum: record_cell(record, m) for forum, record in of_column.items()})
+                       for m in metrics}
+        columns.append(Column(name, {"metrics": {m: cell.mean for m, cell in cells[name].items()},
+                                     "forums": {forum: record["metrics"] for forum, record in of_column.items()},
+                                     "per_query": {}, "model": first[name].get("model", {})}))
+    transforms_of = {name: plain for name in names
+                     if (plain := first[name].get("model", {}).get("plain_column")) in names}
+    tested = statistics is not None and statistics.enabled and columns
+    stats = forum_statistics(cells, paired_comparisons(columns, baseline if baseline in names else None,
+                                                       transforms_of), statistics, seed) if tested else None
+    parts = {forum: next(iter(records.values()))["dataset"] for forum, records in by_forum.items()}
+    dataset = {"name": key, "split": next(iter(parts.values())).get("split"), "forums": parts,
+               "mean_over": "forums (BEIR's convention: each forum counts the same)",
+               **{size: sum(int(part.get(size) or 0) for part in parts.values())
+                  for size in ("documents", "queries", "judgments", "judged_outside_corpus")}}
+    record = provenance(settings, dataset=dataset,
+                        models={c.name: c.record["model"] for c in columns if c.name != baseline},
+                        results={c.name: {"metrics": c.record["metrics"], "forums": c.record["forums"]}
+                                 for c in columns},
+                        **({"statistics": stats} if stats is not None else {}))
+    folder.mkdir(parents=True, exist_ok=True)
+    with file_lock(folder / RESULTS_LOCK, what="writing results"):
+        write_json_atomic(folder / "metrics.json", record)
+    return DatasetResult(key, None, columns, stats, folder / "metrics.json", forums=list(forums))
+
+
+def forum_statistics(cells: Mapping[str, Mapping[str, Cell]], pairs: Sequence[tuple[str, str]],
+                     settings: StatisticsSettings, seed: int) -> dict[str, Any]:
+    """:func:`evaluation_statistics` of a mean over forums (``cells``: column -> metric -> :func:`forum_mean`):
+    paired tests on the pooled per-query values scaled per forum, whose mean differences are the differences of
+    the forum means (none with fewer than two queries); each interval resampled within each forum
+    (:func:`~hil.evaluation.statistics.stratified_bootstrap_ci`), so that every forum keeps its weight. No BM25-Easy
+    split: scaled values of different forums do not rank against each other."""
+    evaluations = []
+    for name, by_metric in cells.items():
+        pooled: dict[str, dict[str, float]] = {}
+        for metric, cell in by_metric.items():
+            for query, value in cell.per_query.items():
+                pooled.setdefault(query, {})[metric] = value
+        evaluations.append(Evaluation(name, {}, {m: cell.mean for m, cell in by_metric.items()}, pooled))
+    testable = min((len(e.per_query) for e in evaluations), default=0) >= 2
+    result = evaluation_statistics(evaluations, metrics=settings.metrics, pairs=pairs if testable else [],
+                                   n_bootstrap=settings.bootstrap_samples, n_permutations=settings.permutations,
+                                   seed=seed, p_adjust=settings.p_adjust)
+    result.pop("bm25_easy", None)
+    for name, by_metric in cells.items():
+        for metric in result["bootstrap"][name]:
+            result["bootstrap"][name][metric] = asdict(stratified_bootstrap_ci(
+                by_metric[metric].strata or {}, n_samples=settings.bootstrap_samples, seed=seed))
+    result["forums"] = "intervals resampled within each forum; tests on per-query values scaled by N / (F * n_f)"
+    return result

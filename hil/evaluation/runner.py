@@ -34,14 +34,13 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import torch
 
-from hil.data.beir import BeirDataset, dataset_source, load_beir
-from hil.data.irds import is_irds_name
+from hil.data.beir import BeirDataset, load_beir
 from hil.errors import UserError
 from hil.evaluation.metrics import measurable_metrics
 from hil.evaluation.evaluate import (Evaluation, EvaluationSettings, evaluate, evaluate_bm25, evaluate_run_file,
@@ -50,7 +49,8 @@ from hil.evaluation.experiment import (BASELINE, DatasetSpec, Experiment, ModelS
                                        column_name)
 from hil.evaluation.identity import (baseline_identity, dataset_identity, differences, evaluation_identity,
                                      normalized, run_file_of)
-from hil.evaluation.results import RESULTS_LOCK, dataset_record, evaluation_statistics, other_columns, write_results
+from hil.evaluation.results import (RESULTS_LOCK, Column, DatasetResult, dataset_record, evaluation_statistics,
+                                    forum_mean_result, other_columns, paired_comparisons, write_results)
 from hil.evaluation.runs import write_trec_run
 from hil.evaluation.seeds import seed_table
 from hil.modeling.contracts import Encoder
@@ -68,24 +68,6 @@ __all__ = ["BASELINE", "Column", "ColumnHooks", "DatasetResult", "DatasetRun", "
 
 
 # -- the columns of one dataset -------------------------------------------------------------------------------
-
-@dataclass
-class Column:
-    """A finished column: its record (as on disk) and, when computed in this run, its evaluation and the encoder
-    that made it (the transformed encoder for a transform column)."""
-
-    name: str
-    record: dict[str, Any]
-    evaluation: Evaluation | None = None
-    encoder: Encoder | None = None
-
-    def as_evaluation(self) -> Evaluation:
-        """The evaluation, or one rebuilt from the record (per-query metrics; the run stays in its .trec file)."""
-        if self.evaluation is not None:
-            return self.evaluation
-        return Evaluation(self.name, {}, self.record["metrics"], self.record["per_query"],
-                          self.record.get("details", {}))
-
 
 class ColumnHooks(Protocol):
     """What an experiment measures beyond metrics (the paper: InterIso, each head's score matrix, figures), and
@@ -355,66 +337,59 @@ def load_model(spec: ModelSpec, seed: int) -> Encoder:
 
 # -- the experiment ---------------------------------------------------------------------------------------------
 
-@dataclass
-class DatasetResult:
-    """One dataset's columns (baseline first) and statistics, and where they were written; ``others``: the columns
-    of other evaluations into the same folder that ``metrics.json`` (and the statistics) hold beside them
-    (:func:`finish_dataset`)."""
-
-    key: str
-    dataset: BeirDataset
-    columns: list[Column]
-    statistics: dict[str, Any] | None
-    metrics_path: Path
-    others: list[Column] = field(default_factory=list)
-
-    def evaluations(self) -> list[Evaluation]:
-        return [column.as_evaluation() for column in self.columns]
-
-
-def paired_comparisons(columns: Sequence[Column], baseline: str | None,
-                       transforms_of: dict[str, str]) -> list[tuple[str, str]]:
-    """Every model column against the baseline, and each transform column against its plain model."""
-    names = [column.name for column in columns if column.name != baseline]
-    pairs = [(name, baseline) for name in names if baseline is not None]
-    return pairs + [(name, plain) for name, plain in transforms_of.items() if name in names]
-
-
 def run_experiment(experiment: Experiment, on_dataset: Callable[[DatasetResult], None] | None = None,
                    hooks: ColumnHooks | None = None) -> list[DatasetResult]:
     """Measure ``experiment`` (see the module docstring); -> each dataset's result, in order. Models are loaded once
     (before any dataset, so that a model that cannot be read fails first); ``on_dataset`` sees each dataset's result
-    as it is finished; ``hooks`` add measurements and derived columns (:class:`ColumnHooks`)."""
-    for spec in experiment.datasets:  # a misspelled dataset or a missing folder: refused before any model loads
-        if not is_irds_name(spec.name):
-            dataset_source(spec.name, experiment.data_dir)
+    as it is finished; ``hooks`` add measurements and derived columns (:class:`ColumnHooks`). A folder of several
+    datasets (BEIR's CQADupStack) is each of its forums' result, then their mean's (:meth:`DatasetSpec.forums`,
+    :func:`~hil.evaluation.results.forum_mean_result`). Misspelled datasets and missing folders were refused when
+    the experiment was made, before any model (:class:`Experiment`)."""
     started = time.time_ns()  # a column written after this by another evaluation is not overwritten silently
     encoders = {spec.column: load_model(spec, experiment.seed) for spec in experiment.models}
-    results = []
-    for spec in experiment.datasets:
-        part = DatasetRun(experiment, spec, hooks, started)
-        columns = []
-        baseline = part.baseline()
-        if baseline is not None:
-            columns.append(baseline)
-        transforms_of: dict[str, str] = {}
-        for model in experiment.models:
-            plain = model.column_for(encoders[model.column].architecture, part.settings.mode)
-            for column in part.model_columns(model, encoders[model.column]):
-                if any(column.name == seen.name for seen in columns):
-                    raise UserError(f"two columns are named {column.name!r} on {spec.name}; name the models")
-                columns.append(column)
-                if column.name != plain:
-                    transforms_of[column.name] = plain
-        for column in hooks.derived_columns(part, columns) if hooks is not None else ():
-            if any(column.name == seen.name for seen in columns):
-                raise UserError(f"two columns are named {column.name!r} on {spec.name}; name the models")
-            columns.append(column)
-        result = finish_dataset(experiment, part, columns, baseline.name if baseline else None, transforms_of)
+    results: list[DatasetResult] = []
+
+    def finished(result: DatasetResult) -> None:
         results.append(result)
         if on_dataset is not None:
             on_dataset(result)
+
+    for spec in experiment.datasets:
+        forums = spec.forums(experiment.data_dir)
+        for part_spec in forums or (spec,):
+            finished(run_dataset(experiment, part_spec, encoders, hooks, started))
+        if forums:
+            settings = {**experiment.command, "evaluation": settings_record(experiment.settings),
+                        "statistics": asdict(experiment.statistics), "dataset_spec": asdict(spec)}
+            finished(forum_mean_result(spec.folder_key, Path(experiment.output) / spec.folder_key,
+                                       results[-len(forums):], spec.baseline_name, settings, experiment.statistics,
+                                       experiment.seed))
+            experiment.log(f"wrote {results[-1].metrics_path}: the mean over {len(forums)} forums")
     return results
+
+
+def run_dataset(experiment: Experiment, spec: DatasetSpec, encoders: dict[str, Encoder], hooks: ColumnHooks | None,
+                started: int) -> DatasetResult:
+    """One dataset's columns (baseline, models, transforms, derived), kept or computed, and its results files."""
+    part = DatasetRun(experiment, spec, hooks, started)
+    columns = []
+    baseline = part.baseline()
+    if baseline is not None:
+        columns.append(baseline)
+    transforms_of: dict[str, str] = {}
+    for model in experiment.models:
+        plain = model.column_for(encoders[model.column].architecture, part.settings.mode)
+        for column in part.model_columns(model, encoders[model.column]):
+            if any(column.name == seen.name for seen in columns):
+                raise UserError(f"two columns are named {column.name!r} on {spec.name}; name the models")
+            columns.append(column)
+            if column.name != plain:
+                transforms_of[column.name] = plain
+    for column in hooks.derived_columns(part, columns) if hooks is not None else ():
+        if any(column.name == seen.name for seen in columns):
+            raise UserError(f"two columns are named {column.name!r} on {spec.name}; name the models")
+        columns.append(column)
+    return finish_dataset(experiment, part, columns, baseline.name if baseline else None, transforms_of)
 
 
 def finish_dataset(experiment: Experiment, part: DatasetRun, columns: list[Column], baseline: str | None,

@@ -17,10 +17,12 @@ A dataset is *local* when ``<data dir>/beir/<folder>`` or ``<data dir>/<folder>`
 
 from __future__ import annotations
 
+import difflib
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from hil.errors import UserError
 from hil.experiments.profiles import FIRST_STAGES, RERANKING_SETS, FirstStage
 from hil.paths import DATA_DIR_ENV
 
@@ -36,7 +38,8 @@ class BeirSet:
         key: BEIR's name: what ``--datasets`` takes and the output folder's name.
         label: the row's label in Table 2.
         folder: where it lies under the data dir, when not at ``key``.
-        split: the qrels split evaluated (BEIR: ``test``; MS MARCO: ``dev``).
+        split: the qrels split evaluated; None (every set): the dataset's own, as every command takes it
+            (:func:`hil.data.beir.default_split`: ``test``, MS MARCO's ``dev``).
         in_average: counted in the average (the zero-shot sets).
         forums: CQADupStack's sub-datasets, each under ``<folder>/<forum>``; the row is their mean.
     """
@@ -44,7 +47,7 @@ class BeirSet:
     key: str
     label: str
     folder: str | None = None
-    split: str = "test"
+    split: str | None = None
     in_average: bool = True
     forums: tuple[str, ...] = ()
 
@@ -62,7 +65,7 @@ class BeirSet:
 
 # 001 Table 2's rows (MS MARCO dev, then the 18 BEIR sets), with the TREC DL re-ranking sets beside MS MARCO.
 BEIR_SETS: tuple[BeirSet, ...] = (
-    BeirSet("msmarco", "MS MARCO (dev)", split="dev", in_average=False),
+    BeirSet("msmarco", "MS MARCO (dev)", in_average=False),  # dev: hil.data.beir.default_split
     *(BeirSet(key, reranking.label, folder=reranking.folder, in_average=False)
       for key, reranking in RERANKING_SETS.items()),
     BeirSet("trec-covid", "TREC-COVID"),
@@ -125,8 +128,10 @@ def select(names: str, data_dir: str | os.PathLike | None = None) -> Selection:
     everything = wanted == ["all"]
     unknown = [name for name in wanted if name not in BY_KEY]
     if not wanted or (unknown and not everything):
-        raise ValueError(f"--datasets: unknown dataset {', '.join(map(repr, unknown)) or repr(names)}; give 'all' "
-                         f"or a comma-separated list of {', '.join(BY_KEY)}")
+        close = [match for name in unknown for match in difflib.get_close_matches(name, BY_KEY, n=1, cutoff=0.75)]
+        hint = f"did you mean {' or '.join(map(repr, close))}? " if close else ""
+        raise ValueError(f"--datasets: unknown dataset {', '.join(map(repr, unknown)) or repr(names)}; {hint}give "
+                         f"'all' or a comma-separated list of {', '.join(BY_KEY)}")
     chosen = BEIR_SETS if everything else tuple(s for s in BEIR_SETS if s.key in wanted)
     local = {part: folder for s in chosen for part in s.parts if (folder := local_folder(part, root)) is not None}
     parts = {s.key: _parts_to_run(s, local, hub=not everything) for s in chosen}
@@ -136,6 +141,16 @@ def select(names: str, data_dir: str | os.PathLike | None = None) -> Selection:
         raise ValueError(f"--datasets {names}: no BEIR dataset found under {root} (looked for <dir>/beir/<name> and "
                          f"<dir>/<name> with corpus.jsonl and queries.jsonl; set --data-dir or {DATA_DIR_ENV})")
     return Selection(tuple(s for s in chosen if s.key in parts), parts, local, missing)
+
+
+def check_selection(names: str, data_dir: str | os.PathLike | None = None) -> int:
+    """:func:`select`'s refusal as a user error, else 0: what ``hil beir`` checks right after parsing, before any
+    model (torch) code is imported, so that a misspelled name costs no model import."""
+    try:
+        select(names, data_dir)
+    except ValueError as error:
+        raise UserError(str(error)) from None
+    return 0
 
 
 def _parts_to_run(beir_set: BeirSet, local: dict[str, Path], hub: bool) -> tuple[str, ...]:

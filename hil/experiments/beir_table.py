@@ -25,13 +25,13 @@ Pure: ``build_table(results, sets, columns, baseline)`` turns the records :mod:`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from hil.evaluation.evaluate import Evaluation
-from hil.evaluation.results import evaluation_statistics
+# CQADupStack's rule is hil evaluate's too (a folder of forums): one function, in the evaluation layer.
+from hil.evaluation.results import Cell, evaluation_statistics, forum_mean, record_cell
 from hil.evaluation.statistics import SIGNIFICANCE_LEVEL, stratified_bootstrap_ci
 from hil.evaluation.tables import adjustment_legend, markdown_table, p_value, pct
 from hil.experiments.beir_sets import BeirSet
@@ -43,31 +43,6 @@ SIGNIFICANCE = SIGNIFICANCE_LEVEL  # 001 Table 2's dagger: p < 0.01 against the 
 FAMILY = "the columns compared with one reference (BM25, or the baseline) on one dataset"
 
 Records = Mapping[str, Mapping[str, Mapping[str, Any]]]  # part -> column -> results record
-
-
-@dataclass(frozen=True)
-class Cell:
-    """One column on one row: the mean metric and per-query values whose plain mean it is; for a mean over forums,
-    each forum's own per-query values."""
-
-    mean: float
-    per_query: dict[str, float]
-    strata: dict[str, list[float]] | None = None
-
-
-def record_cell(record: Mapping[str, Any], metric: str = METRIC) -> Cell:
-    """A results record's mean metric and its per-query values."""
-    return Cell(float(record["metrics"][metric]), {q: float(row[metric]) for q, row in record["per_query"].items()})
-
-
-def forum_mean(forums: Mapping[str, Cell]) -> Cell:
-    """CQADupStack: the mean of the forums' means; per-query values (``<forum>/<qid>``) scaled by N / (F * n_f) so
-    that their plain mean is that mean."""
-    total = sum(len(cell.per_query) for cell in forums.values())
-    per_query = {f"{forum}/{qid}": value * total / (len(forums) * len(cell.per_query))
-                 for forum, cell in forums.items() for qid, value in cell.per_query.items()}
-    return Cell(float(np.mean([cell.mean for cell in forums.values()])), per_query,
-                {forum: list(cell.per_query.values()) for forum, cell in forums.items()})
 
 
 def row_cells(beir_set: BeirSet, parts: Sequence[str], results: Records, columns: Sequence[str],
