@@ -20,7 +20,7 @@ import pytest
 
 from hil.cli import beir as beir_cli
 from hil.cli.main import main as hil_main
-from hil.data.beir import default_split, load_beir
+from hil.data.beir import default_split, forum_folders, load_beir
 
 FORUM_QUERIES = {"android": 2, "english": 3, "gaming": 5}  # unequal: the forum mean is not the pooled mean
 WORDS = "battery screen wifi camera keyboard storage update password sound bluetooth".split()
@@ -116,6 +116,17 @@ def test_a_parent_is_one_dataset_nowhere_else(cqadupstack, tmp_path):
         load_beir(cqadupstack / "beir" / "cqadupstack")
 
 
+def test_only_cqadupstack_is_averaged_over_its_folders(tmp_path):
+    """A folder that is no BEIR dataset but holds some (MS MARCO's triples beside ``dl19/``) is refused as before,
+    never scored as the mean of what it holds."""
+    msmarco = tmp_path / "msmarco"
+    two_split_folder(msmarco / "dl19")
+    (msmarco / "triples.train.small.tsv").write_text("q\tpos\tneg\n")
+    assert forum_folders(msmarco) == ()
+    assert hil_main(["evaluate", "--dataset", str(msmarco), "--output", str(tmp_path / "out"), "--quiet", "true"]) == 2
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").rglob("metrics.json"))
+
+
 # -- 2. one default split in every command --------------------------------------------------------------------
 
 def test_the_default_split_lives_in_the_data_layer_and_an_explicit_one_wins(tmp_path):
@@ -152,7 +163,8 @@ def test_hil_evaluate_and_hil_beir_load_the_same_default_split(tmp_path, name, s
 
 # -- 3. a dataset name checked before any model or torch code --------------------------------------------------
 
-PROBE = "import sys; from hil.cli.main import main; rc = main(sys.argv[1:]); print('torch' in sys.modules); sys.exit(rc)"
+PROBE = ("import sys; from hil.cli.main import main; rc = main(sys.argv[1:]); print('torch' in sys.modules); "
+         "sys.exit(rc)")
 
 
 def refusal(tmp_path: Path, *argv: str, torch_free: bool = True) -> tuple[str, float]:

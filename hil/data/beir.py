@@ -1,4 +1,4 @@
-"""BEIR datasets: a corpus, queries and one split's relevance judgments (qrels).
+"""BEIR datasets or folder.absolute().name.lower() not in FORUM_PARENTS: a corpus, queries and one split's relevance judgments (qrels).
 
 Layout on disk (the official BEIR zips)::
 
@@ -16,8 +16,8 @@ split or dataset that cannot be found is a :class:`~hil.errors.MissingInputError
 * A dataset's default split is :func:`default_split`'s, the one place every command takes it from: ``test``,
   as BEIR reports every dataset but MS MARCO, which it reports on ``dev`` (its ``test`` qrels are TREC DL 2019's 43
   queries).
-* A folder holding several BEIR folders instead of one (BEIR's ``cqadupstack``: a folder per forum) is not one
-  dataset: :func:`forum_folders` lists its parts, which an experiment evaluates one by one and averages.
+* BEIR's ``cqadupstack`` folder holds a BEIR folder per forum, not one dataset: :func:`forum_folders` lists them,
+  and an experiment evaluates them one by one and averages them.
 * Only queries judged in the split are kept (BEIR convention); their judgments with score 0 stay in ``qrels``.
 * Judgments of documents outside the corpus (some official BEIR qrels; many in a re-ranking set like TREC DL 2019)
   count in the ideal DCG for BEIR and trec_eval: ``load_beir`` keeps them by default (one warning line gives their
@@ -173,11 +173,15 @@ def _is_beir_folder(folder: Path) -> bool:
         _first_existing(folder, "queries.jsonl", "queries.jsonl.gz") is not None
 
 
+# BEIR's datasets made of several BEIR folders (CQADupStack: one per forum), known by their folder's name: another
+# folder that holds BEIR folders (``msmarco/`` with the triples beside ``dl19/``) is not averaged over them.
+FORUM_PARENTS = ("cqadupstack",)
+
+
 def forum_folders(name_or_path: str | os.PathLike, data_dir: str | os.PathLike | None = None) -> tuple[Path, ...]:
-    """The BEIR folders inside a local folder of several (BEIR's ``cqadupstack``: one per forum, each with its
-    corpus, queries and qrels), sorted by name; ``()`` for a dataset folder itself, a hub name or an ``irds:`` id.
-    BEIR reports such a folder as the mean of its parts' scores
-    (:func:`hil.evaluation.results.forum_mean`)."""
+    """The BEIR folders inside a local ``cqadupstack`` folder (:data:`FORUM_PARENTS`: one per forum, each with its
+    corpus, queries and qrels), sorted by name; ``()`` for any other folder, a hub name or an ``irds:`` id. BEIR
+    reports such a folder as the mean of its forums' scores (:func:`hil.evaluation.results.forum_mean`)."""
     if is_irds_name(name_or_path):
         return ()
     folder, _ = dataset_source(name_or_path, data_dir)
