@@ -1,4 +1,4 @@
-"""BEIR datasets or folder.absolute().name.lower() not in FORUM_PARENTS: a corpus, queries and one split's relevance judgments (qrels).
+"""BEIR datasets: a corpus, queries and one split's relevance judgments (qrels).
 
 Layout on disk (the official BEIR zips)::
 
@@ -185,7 +185,7 @@ def forum_folders(name_or_path: str | os.PathLike, data_dir: str | os.PathLike |
     if is_irds_name(name_or_path):
         return ()
     folder, _ = dataset_source(name_or_path, data_dir)
-    if folder is None or _is_beir_folder(folder):
+    if folder is None or _is_beir_folder(folder) or folder.absolute().name.lower() not in FORUM_PARENTS:
         return ()
     return tuple(sorted((sub for sub in folder.iterdir() if sub.is_dir() and _is_beir_folder(sub)),
                         key=lambda sub: sub.name))
