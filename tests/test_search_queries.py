@@ -7,6 +7,7 @@ fp16, as an index stores them) and MaxSim written out as loops over tokens, neve
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 from pathlib import Path
@@ -16,7 +17,8 @@ import torch
 
 from hil.cli.main import main as hil_main
 
-WORDS = "cell gene protein tumor vaccine dose brain heart blood lung risk insulin growth therapy".split()
+WORDS = ["cell", "gene", "protein", "tumor", "vaccine", "dose", "brain", "heart", "blood", "lung", "risk", "insulin",
+         "growth", "therapy"]
 QUIET = ["--settings.progress", "false", "--quiet", "true"]
 
 
@@ -86,7 +88,7 @@ def read_run(path: Path) -> dict[str, list[tuple[str, int, float]]]:
         run.setdefault(columns[0], []).append((columns[2], int(columns[3]), float(columns[4])))
     for hits in run.values():
         assert [rank for _, rank, _ in hits] == list(range(1, len(hits) + 1))
-        assert all(a[2] >= b[2] for a, b in zip(hits, hits[1:]))
+        assert all(a[2] >= b[2] for a, b in itertools.pairwise(hits))
     return run
 
 
@@ -105,7 +107,7 @@ def test_typed_queries_rank_an_index_as_exact_maxsim_and_print_their_top_hits(bu
     out = capsys.readouterr().out
     run = read_run(run_file)
     assert sorted(run) == ["q1", "q2"]  # no judgments: ids made from the order given
-    for qid, text in zip(("q1", "q2"), texts):
+    for qid, text in zip(("q1", "q2"), texts, strict=True):
         assert_exact_ranking(run[qid], reference(text), 7)
         assert {line.split()[-1] for line in run_file.read_text().splitlines()} == {"model"}
     printed = out[out.index("q1: gene protein therapy"):].splitlines()
@@ -156,7 +158,7 @@ def test_jsonl_holds_each_querys_top_hits_with_their_texts(built, tmp_path):
     lines = [json.loads(line) for line in (tmp_path / "hits.jsonl").read_text().splitlines()]
     assert [(line["query_id"], line["rank"]) for line in lines] == [(q, r) for q in "ab" for r in range(1, 5)]
     for line in lines:
-        doc_id, rank, score = run[line["query_id"]][line["rank"] - 1]
+        doc_id, _, score = run[line["query_id"]][line["rank"] - 1]
         assert (line["doc_id"], line["score"]) == (doc_id, score)
         assert f"{line['title']} {line['text']}" == built["documents"][doc_id]
         assert line["query"] == {"a": "vaccine lung", "b": "growth"}[line["query_id"]]
@@ -175,8 +177,8 @@ def no_model_load(monkeypatch):
 
 @pytest.mark.parametrize("name, text, where", [
     ("q.jsonl", '{"_id": "a", "text": "gene"}\n{"_id": "b", "text": "cell"\n', "q.jsonl:2: malformed JSON"),
-    ("q.jsonl", '{"_id": "a", "text": "gene"}\n\n{"_id": "b", "text": "  "}\n', "q.jsonl:3: query 'b' has an "
-                                                                               "empty text"),
+    ("q.jsonl", '{"_id": "a", "text": "gene"}\n\n{"_id": "b", "text": "  "}\n',
+     "q.jsonl:3: query 'b' has an empty text"),
     ("q.jsonl", '{"_id": "a", "text": "gene"}\n{"text": "cell"}\n', "q.jsonl:2: missing field '_id'"),
     ("q.tsv", "a\tgene\nb cell\n", "q.tsv:2: expected id<TAB>text"),
     ("q.tsv", "a\tgene\nb\t \n", "q.tsv:2: query 'b' has an empty text"),
@@ -195,10 +197,10 @@ def test_a_bad_queries_line_is_refused_naming_file_and_line(name, text, where, b
 
 @pytest.mark.parametrize("extra, words", [
     (["--query", "x", "--output", "{tmp}/there.trec"], "--output {tmp}/there.trec: the file is there"),
-    (["--query", "x", "--output", "{tmp}/new.trec", "--jsonl", "{tmp}/there.trec"], "--jsonl {tmp}/there.trec: the "
-                                                                                    "file is there"),
-    (["--query", "x", "--output", "{tmp}/new.trec", "--jsonl", "/proc/hits.jsonl"], "--jsonl /proc/hits.jsonl: /proc "
-                                                                                    "is not writable"),
+    (["--query", "x", "--output", "{tmp}/new.trec", "--jsonl", "{tmp}/there.trec"],
+     "--jsonl {tmp}/there.trec: the file is there"),
+    (["--query", "x", "--output", "{tmp}/new.trec", "--jsonl", "/proc/hits.jsonl"],
+     "--jsonl /proc/hits.jsonl: /proc is not writable"),
     (["--query", "x", "--output", "{tmp}/new.trec", "--jsonl", "{tmp}/new.trec"], "the same file as --output"),
     (["--queries", "{tmp}/absent.tsv", "--output", "{tmp}/new.trec"], "--queries {tmp}/absent.tsv: no such file"),
     (["--query", "x", "--queries", "{tmp}/there.trec", "--output", "{tmp}/new.trec"], "not both"),
@@ -287,7 +289,7 @@ def test_an_index_whose_recorded_dataset_changed_is_refused_for_texts(built, tmp
 
 
 def test_a_run_file_another_process_wrote_during_the_search_is_kept(built, tmp_path, capsys, monkeypatch):
-    import hil.evaluation.search_run as search_run
+    from hil.evaluation import search_run
 
     searched = search_run.run_query_search
 
@@ -326,3 +328,18 @@ def test_the_documented_own_query_searches_run(built, tmp_path, capsys):
                          *QUIET]) == 0, command
         assert read_run(tmp_path / "run.trec"), command
     assert [path.parent for path in built["index_root"].glob("*/*/index.json")] == [built["index"]]
+
+
+def test_print_config_of_a_judged_search_fed_back_is_the_same_search(built, tmp_path, capsys):
+    from dataclasses import replace
+
+    from hil.cli.main import parse_command
+
+    argv = ["--model", str(built["export"]), "--dataset", str(built["beir"]), "--max_docs", "20", "--output",
+            str(tmp_path / "run.trec"), "--settings.k", "5", "--settings.index_root", str(built["index_root"]), *QUIET]
+    assert hil_main(["search", *argv, "--print_config"]) == 0
+    (tmp_path / "search.yaml").write_text(capsys.readouterr().out)
+    direct, own = parse_command(argv, "hil search", "search")
+    again, own_again = parse_command(["--config", str(tmp_path / "search.yaml")], "hil search", "search")
+    assert replace(again, command={}) == replace(direct, command={}) and own_again == own
+    assert direct.datasets[0].max_docs == 20 and direct.settings.k == 5 and "request" not in own

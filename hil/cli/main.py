@@ -114,17 +114,17 @@ def experiment_parser(prog: str, command: str = "evaluate") -> ArgumentParser:
                                  "dataset's judged queries go to <output>.parts/")
         parser.add_argument("--overwrite", action="store_true",
                             help="replace the run file --output (and --jsonl) when it is there")
-        parser.add_argument("--queries", type=Optional[str], default=None, metavar="FILE",
+        parser.add_argument("--queries", type=str | None, default=None, metavar="FILE",
                             help="rank these queries (no judgments needed) instead of the dataset's: a BEIR "
                                  "queries.jsonl or id<TAB>text lines (.jsonl / .tsv / .txt, else told by the first "
                                  "line); a bad line is refused naming file:line")
         parser.add_argument("--query", type=list[str], default=[], metavar="TEXT",
                             help="rank this text (repeatable; ids q1, q2, ... in order) and print its top --hits")
-        parser.add_argument("--index", type=Optional[str], default=None, metavar="FOLDER",
+        parser.add_argument("--index", type=str | None, default=None, metavar="FOLDER",
                             help="search this index folder (what hil index printed) instead of a dataset's; the "
                                  "model is the one it records unless --model is given (it must be the model the "
                                  "index was built with)")
-        parser.add_argument("--jsonl", type=Optional[str], default=None, metavar="FILE",
+        parser.add_argument("--jsonl", type=str | None, default=None, metavar="FILE",
                             help="also write each query's top --hits as JSON lines: query_id, query, rank, doc_id, "
                                  "score, title, text (refused when there unless --overwrite)")
         parser.add_argument("--hits", type=int, default=10,
@@ -159,10 +159,10 @@ def parse_experiment(argv: list[str], prog: str, *, command: str = "evaluate") -
 def parse_command(argv: list[str], prog: str, command: str) -> tuple[Experiment | None, dict[str, Any]]:
     """:func:`parse_experiment`, and the options that are the command's own, not the experiment's (``hil search``'s
     ``overwrite``, and its own queries: then ``own["request"]`` is what :func:`query_search` made of them, and the
-    experiment is None). Every output is checked before any work (:func:`hil.errors.check_output_path`): ``hil search``'s
-    ``--output`` is a run file, refused when it is there unless ``--overwrite`` (the experiment writes its records
-    into ``<output>.parts/``); ``hil index`` writes nothing but the index, so its experiment's output is the index
-    root (never written into: a dataset's files are written only when a column is)."""
+    experiment is None). Every output is checked before any work (:func:`hil.errors.check_output_path`):
+    ``hil search``'s ``--output`` is a run file, refused when it is there unless ``--overwrite`` (the experiment
+    writes its records into ``<output>.parts/``); ``hil index`` writes nothing but the index, so its experiment's
+    output is the index root (never written into: a dataset's files are written only when a column is)."""
     printing = "--print_config" in argv  # printed below, with --model / --dataset folded in
     parser = experiment_parser(prog, command)
     config = parser.parse_args([arg for arg in joined_queries(argv) if arg != "--print_config"])
@@ -240,8 +240,13 @@ def query_search(fields: dict[str, Any], own: dict[str, Any], slices: dict[str, 
     from hil.data.irds import is_irds_name
     from hil.data.query_files import inline_queries, read_queries_file
     from hil.evaluation.experiment import Experiment
-    from hil.evaluation.search_run import (QuerySearch, check_new_file, read_index_record, recorded_model,
-                                           settings_for_index)
+    from hil.evaluation.search_run import (
+        QuerySearch,
+        check_new_file,
+        read_index_record,
+        recorded_model,
+        settings_for_index,
+    )
 
     if own["query"] and own["queries"]:
         raise UserError("give --query TEXT or --queries FILE, not both")
@@ -262,9 +267,9 @@ def query_search(fields: dict[str, Any], own: dict[str, Any], slices: dict[str, 
     queries = inline_queries(own["query"]) if own["query"] else read_queries_file(own["queries"])
     if own["query"]:  # made-up ids (q1, ...) never name the query's own document, as BEIR's rule assumes
         settings = replace(settings, drop_self_matches=False)
-    common = dict(queries=queries, run_file=run_file, jsonl=jsonl, overwrite=own["overwrite"], hits=own["hits"],
-                  printed=bool(own["query"]), seed=fields["seed"],
-                  data_dir=fields["data_dir"], quiet=fields["quiet"])
+    common = {"queries": queries, "run_file": run_file, "jsonl": jsonl, "overwrite": own["overwrite"],
+              "hits": own["hits"], "printed": bool(own["query"]), "seed": fields["seed"],
+              "data_dir": fields["data_dir"], "quiet": fields["quiet"]}
     if own["index"]:
         index = Path(own["index"])
         if datasets or any(value is not None for value in slices.values()):

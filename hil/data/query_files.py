@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 from hil.data.beir_files import checked_id, iter_text_lines, records_to_queries
 from hil.errors import DataFormatError, MissingInputError, UserError

@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from hil.errors import MissingInputError, UserError, check_output_path
 from hil.evaluation.experiment import DatasetSpec, Experiment, ModelSpec
