@@ -343,3 +343,17 @@ def test_print_config_of_a_judged_search_fed_back_is_the_same_search(built, tmp_
     again, own_again = parse_command(["--config", str(tmp_path / "search.yaml")], "hil search", "search")
     assert replace(again, command={}) == replace(direct, command={}) and own_again == own
     assert direct.datasets[0].max_docs == 20 and direct.settings.k == 5 and "request" not in own
+
+
+def test_an_index_built_from_a_relative_model_path_is_searched_from_another_folder(built, tmp_path, monkeypatch):
+    import shutil
+
+    shutil.copytree(built["export"], tmp_path / "here" / "export")
+    monkeypatch.chdir(tmp_path / "here")
+    assert hil_main(["index", "--model", "export", "--dataset", str(built["beir"]), "--max_docs", "12",
+                     "--settings.index_root", "indexes", *QUIET]) == 0
+    (index,) = [path.parent for path in (tmp_path / "here" / "indexes").glob("*/*/index.json")]
+    assert json.loads((index / "index.json").read_text())["settings"]["backbone"] == str(tmp_path / "here" / "export")
+    monkeypatch.chdir(tmp_path)  # elsewhere: the model it records is still found
+    assert hil_main(["search", "--index", str(index), "--query", "gene", "--output", "r.trec", *QUIET]) == 0
+    assert len(read_run(tmp_path / "r.trec")["q1"]) == 12
