@@ -138,6 +138,7 @@ def evaluate_run(run: Mapping[str, Mapping[str, float]], qrels: Mapping[str, Map
     return aggregate
 
 
-def load_dataset(name_or_path: str | Path, split: str = "test", **settings: Any) -> BeirDataset:
-    """A BEIR dataset by name (under ``HIL_DATA_DIR``, else the hub) or folder (``hil.data.beir.load_beir``)."""
+def load_dataset(name_or_path: str | Path, split: str | None = None, **settings: Any) -> BeirDataset:
+    """A BEIR dataset by name (under ``HIL_DATA_DIR``, else the hub) or folder (``hil.data.beir.load_beir``); no
+    ``split``: the dataset's own (``hil.data.beir.default_split``: ``dev`` for MS MARCO, as BEIR reports it)."""
     return load_beir(str(name_or_path), split=split, **settings)

@@ -69,7 +69,7 @@ class AnalysisConfig:
     transforms: list[str] = field(default_factory=list)
     transform_mode: str = "token"
     transform_max_tokens: int = 200_000
-    split: str = "test"
+    split: str | None = None  # the dataset's own (hil.data.beir.default_split)
     data_dir: str | None = None
     max_queries: int | None = None
     max_docs: int | None = None

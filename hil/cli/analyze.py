@@ -34,7 +34,8 @@ def build_parser() -> CommandParser:
     parser.add_argument("--transform-mode", choices=("token", "sequence"), default="token")
     parser.add_argument("--transform-max-tokens", type=int, default=200_000)
     parser.add_argument("--dataset", required=True, help="BEIR name (under HIL_DATA_DIR, else the hub) or folder")
-    parser.add_argument("--split", default="test")
+    parser.add_argument("--split", default=None,
+                        help="the qrels split (default: the dataset's own: dev for msmarco, as BEIR, else test)")
     parser.add_argument("--data-dir", default=None, help="overrides HIL_DATA_DIR")
     parser.add_argument("--max-queries", type=int, default=None, help="a seeded slice of the queries")
     parser.add_argument("--max-docs", type=int, default=None, help="corpus slice: judged docs + sampled others")

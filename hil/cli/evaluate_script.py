@@ -83,7 +83,8 @@ def build_parser() -> CommandParser:
                         help="BEIR name (under HIL_DATA_DIR, else the hub) or folder, or irds:<ir_datasets id> "
                              "(e.g. irds:beir/scifact/test, irds:msmarco-passage/trec-dl-2019/judged; needs "
                              "pip install ir_datasets)")
-    parser.add_argument("--split", default="test")
+    parser.add_argument("--split", default=None,
+                        help="the qrels split (default: the dataset's own: dev for msmarco, as BEIR, else test)")
     parser.add_argument("--data-dir", default=None, help="overrides HIL_DATA_DIR")
     parser.add_argument("--mode", choices=("full", "rerank", "exhaustive", "bm25"), default=None,
                         help="full ranking through the index's back-end (default), re-ranking the first stage's top "
