@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from hil.cli.main import main as hil_main
-from hil.cli.main import parse_experiment
+from hil.cli.main import parse_command, parse_experiment
 from hil.cli.evaluate_script import main as evaluate_main
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -208,9 +208,10 @@ def test_every_hil_command_of_the_readme_parses(tiny, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     commands = readme_commands(("hil evaluate", "hil index", "hil search"))
     assert len(commands) >= 6, "the README shows the hil command"
-    for command in commands:
-        experiment = parse_experiment(shlex.split(command)[2:], "hil evaluate")
-        assert experiment.datasets and experiment.models, command
+    for command in commands:  # each by its own command's parser (hil search's --query is no evaluate option)
+        name, argv = shlex.split(command)[1], shlex.split(command)[2:]
+        experiment, own = parse_command(argv, f"hil {name}", name)
+        assert (experiment is not None and experiment.datasets and experiment.models) or own.get("request"), command
     yaml = re.search(r"```yaml\n# hil evaluate --config my-eval.yaml\n(.*?)```", README.read_text(), re.S)
     assert yaml is not None, "the README shows an evaluation config"
     config = tiny["root"] / "my-eval.yaml"

@@ -307,15 +307,18 @@ def test_a_run_file_another_process_wrote_during_the_search_is_kept(built, tmp_p
 
 
 def test_the_documented_own_query_searches_run(built, tmp_path, capsys):
-    """The README's and the guide's ``hil search`` lines with --query / --queries / --index (inline, in prose), run
-    with the tiny model, dataset and index in place of theirs."""
+    """The README's and the guide's ``hil search`` lines with --query / --queries / --index (inline, in prose, or in
+    a bash block), run with the tiny model, dataset and index in place of theirs."""
     import re
     import shlex
 
     root = Path(__file__).resolve().parents[1]
     text = "\n".join((root / name).read_text(encoding="utf-8") for name in ("README.md", "docs/guide.md"))
-    commands = [" ".join(span.split()) for span in re.findall(r"`(hil search [^`]*)`", text)
-                if re.search(r"--(query|queries|index) ", span)]
+    spans = re.findall(r"`(hil search [^`]*)`", text)
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        spans += [shlex.join(shlex.split(line, comments=True)) for line in block.replace("\\\n", " ").splitlines()
+                  if line.startswith("hil search")]
+    commands = [" ".join(span.split()) for span in spans if re.search(r"--(query|queries|index) ", span)]
     assert len(commands) >= 3, commands
     (tmp_path / "q.tsv").write_text("a\tgene therapy\n")
     swap = {"--model": str(built["export"]), "--dataset": str(built["beir"]), "--index": str(built["index"]),
