@@ -1,5 +1,5 @@
 # One command each: `make demo` (set up + train a small ColBERT on the MS MARCO sample + evaluate on SciFact),
-# `make test` (set up + the test suite), `make test-slow` (the slow checks), `make bench` (benchmarks),
+# `make test` (set up + ruff + the test suite), `make test-slow` (the slow checks), `make bench` (benchmarks),
 # `make gpu-check` (first thing on a GPU machine: mixed-precision training, GPU evaluation beside the CPU's, GPU tests,
 # planned to fit 240 s; `make gpu-check DRY_RUN=1` runs the same steps small on the CPU).
 PYTHON ?= python3
@@ -13,7 +13,7 @@ export TOKENIZERS_PARALLELISM ?= false
 export OMP_WAIT_POLICY ?= PASSIVE
 BIN := $(VENV)/bin
 
-.PHONY: setup demo paper test test-slow test-all bench gpu-check clean
+.PHONY: setup demo paper lint test test-slow test-all bench gpu-check clean
 
 setup: $(VENV)/.installed
 
@@ -40,7 +40,11 @@ PROFILE ?= cpu
 paper: setup
 	$(BIN)/hil paper --profile $(PROFILE)
 
-test: setup
+# ruff first (pyflakes, pycodestyle, import order; pyproject.toml's [tool.ruff]): a lint error fails the suite.
+lint: setup
+	$(BIN)/ruff check .
+
+test: setup lint
 	$(BIN)/python -m pytest -q
 
 test-slow: setup

@@ -182,7 +182,8 @@ def stage_rates(scale: dict[str, Any]) -> dict[str, Any]:
         per_size[label] = {"n_tokens": n, "n_docs": b["n_docs"], "n_centroids": c,
                            "assignment": b["params"]["assignment"],
                            "ivf_entries_per_token": sum(b["build_plan"]["inverted_file"]["entries"].values()) / n,
-                           "bytes_per_token": b["bytes_per_token"], "peak_over_final": b["peak_disk_bytes"] / b["disk_bytes"],
+                           "bytes_per_token": b["bytes_per_token"],
+                           "peak_over_final": b["peak_disk_bytes"] / b["disk_bytes"],
                            "build_rss_anon_mb": b["peak_rss_anon_mb"], "search_rss_anon_mb": search_rss,
                            "encode_s_per_token": b["build_seconds"]["encode"] / n}
         if b["params"]["assignment"] == "two-level":
@@ -217,7 +218,8 @@ def project(name: str, n_docs: int, per_doc: float, measured: bool, rates: dict[
     grow = (top["build_rss_anon_mb"] - low["build_rss_anon_mb"]) / (top["n_docs"] - low["n_docs"])
     search_grow = (top["search_rss_anon_mb"] - low["search_rss_anon_mb"]) / (top["n_docs"] - low["n_docs"])
     attended = tokens * args.attended_per_stored
-    compress_s = (rates["compress_fixed_s_per_token"] + rates["compress_s_per_dot"] * dots_per_token(centroids)) * tokens
+    compress_s = (rates["compress_fixed_s_per_token"]
+                  + rates["compress_s_per_dot"] * dots_per_token(centroids)) * tokens
     kmeans_s = rates["kmeans_s_per_unit"] * train * math.sqrt(centroids)
     host_s = (rates["join_s_per_token"] + rates["ivf_s_per_token"]) * tokens + rates["sample_s_per_token"] * train
     # On a GPU: exact k-means (4 iterations) and exact assignment, 2 D C flops a point, at the fp32 rate asked;
@@ -282,10 +284,12 @@ def markdown(rows: list[dict[str, Any]], record: dict[str, Any]) -> list[str]:
             f"{row['index_bytes'] / 1e9:.1f} GB (P) | {row['bytes_per_token']:.1f} (P) | "
             f"{row['peak_disk_bytes'] / 1e9:.1f} GB (P) | {row['build_rss_anon_mb'] / 1024:.1f} GB (P) | "
             f"{row['search_rss_anon_mb'] / 1024:.2f} GB (P) | {_duration(row['cpu_index_stages_s'])} (P) | "
-            f"{_duration(row['cpu_encode_s']['all-MiniLM-L6-v2'])} / {_duration(row['cpu_encode_s']['bert-base-uncased'])} (P) | "
+            f"{_duration(row['cpu_encode_s']['all-MiniLM-L6-v2'])} / "
+            f"{_duration(row['cpu_encode_s']['bert-base-uncased'])} (P) | "
             f"{_duration(row['gpu_encode_s']['bert-base-uncased'] + row['gpu_index_stages_s'])} (P) |")
     check = record["estimate_check"]
-    lines += ["", "How good the length estimate is, tried on the corpora at hand (each estimated from another's shape): "
+    lines += ["", "How good the length estimate is, tried on the corpora at hand "
+                  "(each estimated from another's shape): "
               + "; ".join(f"{name} {c['estimated']:.1f} estimated vs {c['measured']:.1f} measured "
                           f"({100 * (c['estimated'] / c['measured'] - 1):+.0f}%)" for name, c in check.items()) + ".",
               SECTION[1]]

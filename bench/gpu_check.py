@@ -78,10 +78,20 @@ REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench"
 sys.path.insert(0, str(BENCH))
 from gpu_check_exports import find_exports  # noqa: E402
-from gpu_check_plan import (Budget, Plan, Step, budget_plan, candidate_steps, dataset_size,  # noqa: E402
-                            estimate_s, estimates_for, read_earlier)
+from gpu_check_plan import (  # noqa: E402
+    Budget,
+    Plan,
+    Step,
+    budget_plan,
+    candidate_steps,
+    dataset_size,
+    estimate_s,
+    estimates_for,
+    read_earlier,
+)
 from gpu_check_report import format_plan, format_summary  # noqa: E402
-from gpu_check_run import Interrupted, StepFailed, run_step as run_command, signals_interrupt  # noqa: E402
+from gpu_check_run import Interrupted, StepFailed, signals_interrupt  # noqa: E402
+from gpu_check_run import run_step as run_command  # noqa: E402
 
 MODEL_CONFIGS = {"colbert": [], "colbert_hil": ["configs/variants/colbert_hil.yaml"]}
 STEP_KINDS = ("tests", "train", "evaluate")
@@ -155,7 +165,9 @@ def plan_from(args: argparse.Namespace, cuda_devices: int) -> Plan:
         raise ValueError("--exports evaluates the given exports: --steps train does not go with it")
     if "evaluate" in steps and "train" not in steps and not exports:
         raise ValueError("--steps evaluate needs train (it evaluates the models this run trains), or --exports")
-    pick = (lambda given, dry_value, gpu_value: given if given is not None else (dry_value if dry else gpu_value))
+    def pick(given, dry_value, gpu_value):
+        return given if given is not None else (dry_value if dry else gpu_value)
+
     devices = pick(args.devices, 2, cuda_devices)
     budget = pick(args.budget_s, None, 240.0)
     plan = Plan(

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytorch_lightning as pl
+
 from gpu_check_probe import memory_report, synchronize, write_report
 
 __all__ = ["TrainingProbe"]

@@ -13,8 +13,8 @@ import json
 from pathlib import Path
 
 import yaml
-from gpu_check_plan import GivenExport
 
+from gpu_check_plan import GivenExport
 from hil.errors import UserError
 
 CONFIG_NAME = "hil_config.json"  # hil.modeling.encoder.CONFIG_NAME, not imported: that would load transformers

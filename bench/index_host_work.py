@@ -109,7 +109,8 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repo", action="append", type=Path, help="a checkout to measure (repeatable; default .)")
     parser.add_argument("--dataset", default="scifact")
-    parser.add_argument("--data-dir", default=os.environ.get("HIL_DATA_DIR", str(HERE.parent.parent / "shared" / "data")))
+    parser.add_argument("--data-dir",
+                        default=os.environ.get("HIL_DATA_DIR", str(HERE.parent.parent / "shared" / "data")))
     parser.add_argument("--tokenizer", default=str(Path(os.environ.get("HIL_MODELS_DIR", HERE.parent.parent / "shared"
                                                                        / "models")) / "all-MiniLM-L6-v2"))
     parser.add_argument("--dim", type=int, default=128)

@@ -59,8 +59,7 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 from sections.common import INDEX_VARIANTS, setup_threads  # noqa: E402  (after the path set-up above)
-from sections.config import (SECTION_MODULES, BenchConfig, build_parser, config_from_dict,  # noqa: E402
-                             make_config)
+from sections.config import SECTION_MODULES, BenchConfig, build_parser, config_from_dict, make_config  # noqa: E402
 from sections.options import SECTIONS, Job, job_json  # noqa: E402
 from sections.search import adjust_vs_exact, legend  # noqa: E402
 

@@ -5,7 +5,8 @@ what GradCache costs.
     python bench/training_throughput.py --model all-MiniLM-L6-v2 --device cuda --documents 512 --steps 20
     python bench/training_throughput.py --sweeps peer --model all-MiniLM-L6-v2 --peer-python /tmp/pylate-venv/bin/python
 
-Sweeps (``--sweeps``; nway and gradcache by default), each configuration in a fresh child process (so its peak memory -- ``ru_maxrss`` on CPU,
+Sweeps (``--sweeps``; nway and gradcache by default), each configuration in a fresh child process (so its peak
+memory -- ``ru_maxrss`` on CPU,
 ``torch.cuda.max_memory_allocated`` on a GPU -- is its own):
 
 - ``nway``: ``--documents`` documents a step (the memory a step needs grows with the documents encoded, so equal

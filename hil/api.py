@@ -32,8 +32,8 @@ from hil.modeling.loading import load_encoder
 from hil.retrieval.builder import open_or_build_index
 from hil.retrieval.devices import resolve_device
 from hil.retrieval.encoding import eval_mode
-from hil.retrieval.index import TokenIndex
 from hil.retrieval.full_ranking import full_rank
+from hil.retrieval.index import TokenIndex
 
 Embeddings = list[Tensor] | list[dict[str, Tensor]]
 __all__ = ["load_model", "encode_queries", "encode_documents", "score", "build_index", "open_index", "search",

@@ -16,8 +16,7 @@ from hil.analysis import plots, render
 from hil.analysis.layers import layer_inter_iso, log_difference
 from hil.analysis.overlap import candidate_overlap, ranked_overlap
 from hil.analysis.similarity import isotropy_scores, pair_cosines, token_cosines, top_pairs
-from hil.analysis.vocab import content_token_ids, ranks_of, summarize_projections, PairProjection
-
+from hil.analysis.vocab import PairProjection, content_token_ids, ranks_of, summarize_projections
 
 # -- pure functions -----------------------------------------------------------------------------------------------
 
@@ -285,11 +284,11 @@ def test_judged_pairs_take_the_best_graded_document_in_the_corpus():
 
 @pytest.mark.integration
 def test_mlm_head_found_or_explained(shared_dir, hf_tokenizer, tmp_path):
-    from conftest import random_bert
-
     from hil.analysis.vocab import load_mlm_head, pooled_states, project
     from hil.modeling.encoder import ColBERTEncoder
     from hil.modeling.loading import load_encoder
+
+    from conftest import random_bert
 
     tiny = load_encoder("bert-tiny-splade", dim=8)
     head, why = load_mlm_head(tiny)

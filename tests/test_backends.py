@@ -11,8 +11,15 @@ import numpy as np
 import pytest
 
 from hil.errors import UserError
-from hil.retrieval.backends.configs import (INDEX_CONFIGS, SEARCH_CONFIGS, IvfFlatIndexConfig, PlaidIndexConfig,
-                                            PlaidSearchConfig, configs_from_params, with_search_values)
+from hil.retrieval.backends.configs import (
+    INDEX_CONFIGS,
+    SEARCH_CONFIGS,
+    IvfFlatIndexConfig,
+    PlaidIndexConfig,
+    PlaidSearchConfig,
+    configs_from_params,
+    with_search_values,
+)
 from hil.retrieval.backends.registry import BACKEND_KINDS, BACKENDS, backend_class, open_backend
 from hil.retrieval.builder import build_index, rebuild_search_structures
 from hil.retrieval.encoding import eval_mode

@@ -24,9 +24,9 @@ from typing import Any, Callable
 import pytest
 import torch
 
+from hil.cli.evaluate_script import main as evaluate_command
 from hil.cli.train import run_train, train_main
 from hil.errors import DataFormatError, MissingInputError, UserError
-from hil.cli.evaluate_script import main as evaluate_command
 
 REPO = Path(__file__).resolve().parents[1]
 N_DOCS, N_JUDGED = 20, 6  # corpus.jsonl has 20 lines; qrels/test.tsv a header and 6 judgments (7 lines)

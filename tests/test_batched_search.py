@@ -20,8 +20,14 @@ from hil.retrieval.device_tokens import device_tokens
 from hil.retrieval.encoding import eval_mode
 from hil.retrieval.full_ranking import full_rank
 from hil.retrieval.pair_scoring import pair_scores, ranked_pairs
-from hil.retrieval.plaid_search import (best_in_groups, plaid_candidates, plaid_pairs, probe_cells, probed_pairs,
-                                        query_centroid_scores)
+from hil.retrieval.plaid_search import (
+    best_in_groups,
+    plaid_candidates,
+    plaid_pairs,
+    probe_cells,
+    probed_pairs,
+    query_centroid_scores,
+)
 from hil.retrieval.search import score_documents
 from hil.retrieval.store import TokenStore, gather_documents
 
@@ -183,8 +189,10 @@ def hil_encoder(hf_tokenizer, zscore_eval: str) -> HILEncoder:
     return model.eval()
 
 
-ENCODERS = {"colbert": lambda tok: make_encoder(tok, seed=3), "two-head": lambda tok: make_encoder(tok, TwoHeadEncoder, 1),
-            "hil-running": lambda tok: hil_encoder(tok, "running"), "hil-per-query": lambda tok: hil_encoder(tok, "per_query")}
+ENCODERS = {"colbert": lambda tok: make_encoder(tok, seed=3),
+            "two-head": lambda tok: make_encoder(tok, TwoHeadEncoder, 1),
+            "hil-running": lambda tok: hil_encoder(tok, "running"),
+            "hil-per-query": lambda tok: hil_encoder(tok, "per_query")}
 BACKENDS = {"flat": "flat", "ivfflat": IvfFlatIndexConfig(nlist=8, seed=0),
             "plaid": PlaidIndexConfig(n_centroids=16, niter=5, seed=0),
             "plaid-compressed": PlaidIndexConfig(n_centroids=16, niter=5, seed=0, residual_bits=2,

@@ -8,7 +8,6 @@ import json
 import re
 import shlex
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -154,9 +153,9 @@ def test_table_formats_every_section(bench):
 
 
 def test_search_variants_against_exact_are_one_family(bench):
-    from sections.search import adjust_vs_exact
-
     from hil.evaluation.statistics import holm_adjusted
+
+    from sections.search import adjust_vs_exact
 
     def compared(p: float) -> dict:
         return {"p50_ms": 1.0, "p95_ms": 2.0, "ndcg10": 0.5, "queries": 10, "peak_rss_mb": 1.0,

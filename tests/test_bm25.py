@@ -100,7 +100,8 @@ def test_bm25_run_shape_and_settings():
     run = bm25_run(data, k=10)
     assert set(run) == {"q1", "q2"} and list(run["q1"]) == ["d1"] and run["q2"] == {}
     settings_ = BM25Index.from_dataset(data).settings()
-    assert (settings_["method"], settings_["k1"], settings_["b"], settings_["stemmer"]) == ("lucene", 0.9, 0.4, "english")
+    assert (settings_["method"], settings_["k1"], settings_["b"],
+            settings_["stemmer"]) == ("lucene", 0.9, 0.4, "english")
 
 
 @pytest.mark.integration

@@ -3,7 +3,8 @@
 A build process is killed (SIGKILL, by the test hook ``HIL_TEST_KILL_AT``) at four points: inside a chunk (its
 arrays written, its metadata not), inside the join (two chunks copied and removed, the rest not), after the chunks
 were joined, and after ``index.json`` was written but before the folder was renamed into place (the rerun then
-redoes only the search structures: the build's state says the chunks are joined). Each rerun must give, byte for byte, the index of an uninterrupted build, and
+redoes only the search structures: the build's state says the chunks are joined).
+Each rerun must give, byte for byte, the index of an uninterrupted build, and
 the same search results. Two processes asked for one index at the same moment must build it once: one waits (and
 says for whom), then opens what the other built; no half-written folder is left.
 
@@ -27,8 +28,8 @@ import torch
 from hil.retrieval import chunks
 from hil.retrieval.builder import build_index
 from hil.retrieval.chunks import KILL_AT_ENV
-from hil.retrieval.index import INDEX_JSON, TokenIndex
 from hil.retrieval.full_ranking import full_rank
+from hil.retrieval.index import INDEX_JSON, TokenIndex
 
 from toys import assert_same_index
 

@@ -9,8 +9,8 @@ import os
 import warnings
 
 import numpy as np
-import torch
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -21,7 +21,6 @@ from hil.retrieval.devices import host_tensor, upload_rows
 from hil.retrieval.index import DOC_OFFSETS_NPY, TOKEN_IDS_NPY, embeddings_path
 from hil.retrieval.integrity import NonFiniteError, _all_finite, check_finite_vectors
 from hil.retrieval.plaid import build_ivf
-
 
 # -- the inverted file ---------------------------------------------------------------------------------------------
 
@@ -247,6 +246,7 @@ def test_index_json_records_the_seconds_of_each_build_stage(tmp_path, monkeypatc
 
     from hil.retrieval import builder, structures
     from hil.retrieval.builder import build_index, rebuild_search_structures
+
     from toys import make_encoder, toy_corpus
 
     def slowed(function, seconds):
@@ -302,6 +302,7 @@ def test_faiss_structures_opened_for_the_cpu_and_for_gpu_0_are_cached_apart(tmp_
     CPU objects: what is checked is that each placement opens its own."""
     from hil.retrieval.backends.registry import open_backend
     from hil.retrieval.builder import build_index
+
     from toys import make_encoder, toy_corpus
 
     ids, texts = toy_corpus(30)

@@ -221,7 +221,8 @@ def test_help_of_every_command_but_training_loads_no_torch():
     import sys
 
     commands = ["evaluate", "index", "search", "beir", "paper", "teacher", "engines", "analyze", "share"]
-    probe = ("import io, sys, contextlib\nfrom hil.cli.main import main\nfrom hil.cli.evaluate_script import main as script\n"
+    probe = ("import io, sys, contextlib\nfrom hil.cli.main import main\n"
+             "from hil.cli.evaluate_script import main as script\n"
              f"for command in {commands!r} + ['evaluate.py']:\n"
              "    with contextlib.redirect_stdout(io.StringIO()):\n"
              "        status = script(['--help']) if command == 'evaluate.py' else main([command, '--help'])\n"

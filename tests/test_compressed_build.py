@@ -80,7 +80,7 @@ def test_the_same_bytes_as_fp16_first_then_compressed(hf_tokenizer, tmp_path, mo
     expected = fp16_then_compressed(encoder, ids, texts, tmp_path / "fp16", index, used[0])
     np.testing.assert_array_equal(index.doc_offsets, expected["doc_offsets"])
     # Token ids only where the score reads them: the two-head toy sums its own way, ColBERT's MaxSim reads none
-    assert index.meta["stores_token_ids"] is two_heads and not encoder.scores_repeated_padding is two_heads
+    assert index.meta["stores_token_ids"] is two_heads and encoder.scores_repeated_padding is not two_heads
     assert (index.directory / "token_ids.npy").exists() is two_heads
     if two_heads:
         np.testing.assert_array_equal(np.asarray(index.token_ids), expected["token_ids"])
@@ -316,7 +316,8 @@ def test_plaid_storage_left_to_the_corpus(asked, fp16_bytes, expected):
     sized, record = config.sized(fp16_bytes // 256, 256)  # D = 128, one head
     assert (sized.residual_bits, sized.keep_embeddings) == expected
     assert record["asked"] == {"residual_bits": asked[0], "keep_embeddings": asked[1]}
-    assert record["fp16_bytes_estimate"] == fp16_bytes and (record["residual_bits"], record["keep_embeddings"]) == expected
+    assert (record["fp16_bytes_estimate"] == fp16_bytes
+            and (record["residual_bits"], record["keep_embeddings"]) == expected)
     assert not sized.storage_left_to_corpus and sized.n_centroids == config.n_centroids
 
 

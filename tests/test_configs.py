@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from nway_examples import write_nway_examples
-
 from hil.cli.train import train_main
 from hil.data.beir import load_beir
 from hil.evaluation.evaluate import EvaluationSettings, evaluate
 from hil.modeling.ensemble import EnsembleEncoder
 from hil.modeling.loading import load_encoder
+
+from nway_examples import write_nway_examples
 
 pytestmark = pytest.mark.integration
 

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from hil.cli.evaluate_script import main as evaluate_main
 from hil.cli.main import main as hil_main
 from hil.cli.main import parse_command, parse_experiment
-from hil.cli.evaluate_script import main as evaluate_main
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

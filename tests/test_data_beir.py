@@ -14,8 +14,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hil.data.beir import (BeirDataset, drop_self_matches, load_beir, load_collection_tsv, load_topics_tsv,
-                           load_trec_qrels, read_corpus_jsonl, read_qrels_tsv, read_queries_jsonl)
+from hil.data.beir import (
+    BeirDataset,
+    drop_self_matches,
+    load_beir,
+    load_collection_tsv,
+    load_topics_tsv,
+    load_trec_qrels,
+    read_corpus_jsonl,
+    read_qrels_tsv,
+    read_queries_jsonl,
+)
 from hil.errors import DataFormatError
 from hil.provenance import fingerprint_strings
 

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from hil.data.beir import BeirDataset, load_beir
 from hil.data.bm25 import BM25Index
-from hil.errors import DataFormatError
 from hil.data.triples import Triple, iter_triples, mine_bm25_triples, read_triples, write_triples
+from hil.errors import DataFormatError
 
 SHARED = Path(os.environ.get("HIL_SHARED_DIR", Path(__file__).resolve().parents[1].parent / "shared"))
 ROWS = "what is a cat\tA cat is a small feline.\tDogs bark.\nhow tall is k2\tK2 is 8,611 m.\tEverest is higher.\n"
@@ -179,7 +179,8 @@ def test_mining_uses_fewer_candidates_when_short_and_validates_arguments():
 
 
 def test_mining_flattens_tabs_and_newlines_for_caching(tmp_path):
-    data = BeirDataset("tabs", {"p": {"title": "Cat\tfacts", "text": "a cat\nsits"}, "n": {"title": "", "text": "cat\tdog"},
+    data = BeirDataset("tabs", {"p": {"title": "Cat\tfacts", "text": "a cat\nsits"},
+                                "n": {"title": "", "text": "cat\tdog"},
                                 "x": {"title": "", "text": "bird"}},
                        {"q": "cat?"}, {"q": {"p": 1}}, "train", "memory")
     triples = mine_bm25_triples(data)

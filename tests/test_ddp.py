@@ -22,11 +22,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import gloo_group, run_spawned
 
 from hil.modeling.distributed import gather_encoded, gather_padded, is_distributed
 from hil.modeling.losses import in_batch_ce_loss
 from hil.modeling.scoring import late_interaction_matrix
+
+from conftest import gloo_group, run_spawned
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
@@ -83,9 +84,9 @@ def _reference(ranks):
     targets = torch.cat([off + torch.arange(b) for off, b in zip(offsets, QUERIES_PER_RANK)])
     per_query = F.cross_entropy(scores, targets, reduction="none")
     losses = list(per_query.split(list(QUERIES_PER_RANK)))
-    per_rank = [l.mean() for l in losses]
+    per_rank = [loss.mean() for loss in losses]
     torch.stack(per_rank).sum().backward()
-    return docs.detach(), mask, [float(l) for l in per_rank], [q.grad for q in qs], [d.grad for d in ds]
+    return docs.detach(), mask, [float(loss) for loss in per_rank], [q.grad for q in qs], [d.grad for d in ds]
 
 
 def _gather_worker(rank: int, world: int, port: int) -> None:

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+
 from conftest import gloo_group, run_spawned
 
 QUERIES_PER_RANK = (3, 2)   # uneven on purpose

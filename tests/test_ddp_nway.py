@@ -16,6 +16,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+
 from conftest import gloo_group, run_spawned
 
 QUERIES_PER_RANK = (3, 2)

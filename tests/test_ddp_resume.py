@@ -39,9 +39,11 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import free_port
+
 from test_ddp import read_records, subprocess_env
 from test_faults import assert_same_tensors, load
+
+from conftest import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS, KILL_AFTER, CHECKPOINT = 6, 3, 2  # 6 steps; killed after step 3; the last checkpoint then is step 2's

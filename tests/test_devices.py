@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import pytrec_eval
 import torch
-from test_first_stage import N_QUERIES, cli, write_rerank_set
 
-from hil.data.beir import load_beir
 from hil.cli.evaluate_script import main
+from hil.data.beir import load_beir
 from hil.evaluation.evaluate import EvaluationSettings, evaluate, evaluate_bm25
 from hil.retrieval import devices
 from hil.retrieval.devices import autocast, check_precision, faiss_gpu_for, resolve_device
+from test_first_stage import N_QUERIES, cli, write_rerank_set
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")

@@ -1,5 +1,6 @@
 """TREC DL 2020 passage beside DL19: a re-ranking set of the one table
-(:data:`hil.experiments.profiles.RERANKING_SETS`), handled by the BEIR command and the paper experiment exactly as DL19. ``msmarco/dl20`` is not in ``../shared``, so a
+(:data:`hil.experiments.profiles.RERANKING_SETS`), handled by the BEIR command and the paper experiment exactly as DL19.
+``msmarco/dl20`` is not in ``../shared``, so a
 small fixture in its layout (corpus.jsonl, queries.jsonl, graded qrels/test.tsv judging passages outside the corpus,
 bm25-top100.trec) stands in for it under a data dir of its own; the numbers are checked against the slow reference
 metrics fed straight from the fixture's own values."""
@@ -12,13 +13,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import hil.experiments.beir as beir
 import hil.cli.beir as beir_cli
 import hil.experiments.paper as paper
 from hil.errors import MissingInputError
 from hil.experiments.beir_sets import BEIR_SETS, BY_KEY, select
 from hil.experiments.profiles import DATASETS, FIRST_STAGES, PROFILES, RERANKING_SETS, default_datasets
 from hil.experiments.records import dataset_column, load_dataset
+
 from reference_metrics import mrr_at_k_reference, ndcg_at_k_reference, recall_at_k_reference
 
 WORDS = ("flea", "life", "cycle", "concrete", "floor", "cost", "court", "judgment", "rights", "pets", "eggs", "house")

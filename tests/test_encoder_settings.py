@@ -23,7 +23,6 @@ import pytest
 import torch
 import yaml
 
-from conftest import random_bert
 from hil.cli.train import train_main
 from hil.errors import UserError
 from hil.modeling.encoder import ColBERTEncoder
@@ -32,6 +31,8 @@ from hil.modeling.export import export_model
 from hil.modeling.hil import HILEncoder
 from hil.modeling.loading import load_encoder
 from hil.retrieval.index import encoder_fingerprint
+
+from conftest import random_bert
 
 REPO = Path(__file__).resolve().parents[1]
 QUERIES = ["what is a lexical head", "isotropy of token embeddings!"]

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import random_bert
 
 from hil.modeling.encoder import ColBERTEncoder
 from hil.modeling.ensemble import EnsembleEncoder
 from hil.modeling.hil import HILEncoder
 from hil.modeling.loading import load_encoder, split_ensemble_source
 from hil.retrieval.builder import build_index
-from hil.retrieval.search import exact_rank
 from hil.retrieval.full_ranking import full_rank
+from hil.retrieval.search import exact_rank
+
+from conftest import random_bert
 
 QUERIES = ["what causes fever", "effects of caffeine on sleep", "cat"]
 DOCS = ["Fever is caused by infection.", "Caffeine is a stimulant, found in coffee; it delays sleep.", "",

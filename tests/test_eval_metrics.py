@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from hil.evaluation.metrics import evaluate_run, parse_metric
 from hil.evaluation.runs import candidates_from_run, ranked, read_trec_run, run_depth, top_k, write_trec_run
+
 from reference_metrics import mrr_at_k_reference, ndcg_at_k_reference, recall_at_k_reference
 
 log2 = math.log2

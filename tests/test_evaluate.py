@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import random_bert
 
 from hil.data.beir import BeirDataset
 from hil.evaluation.evaluate import EvaluationSettings, evaluate, evaluate_bm25, first_stage
@@ -13,6 +12,8 @@ from hil.evaluation.metrics import evaluate_run
 from hil.modeling.encoder import ColBERTEncoder
 from hil.modeling.ensemble import EnsembleEncoder
 from hil.retrieval.search import rank_matrix
+
+from conftest import random_bert
 
 WORDS = "gene cell protein cancer heart brain water climate energy virus bone blood sugar sleep light".split()
 
@@ -150,7 +151,8 @@ def test_sizes_left_unset_follow_the_device():
     are kept on either."""
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
     assert EvaluationSettings().for_device(cpu.type).batch_size == 32
-    assert (EvaluationSettings().for_device(cpu.type).query_batch_size, EvaluationSettings().for_device(cpu.type).tokenizer_workers) \
+    assert (EvaluationSettings().for_device(cpu.type).query_batch_size,
+            EvaluationSettings().for_device(cpu.type).tokenizer_workers) \
         == (64, 0)
     on_gpu = EvaluationSettings().for_device(gpu.type)
     assert (on_gpu.batch_size, on_gpu.query_batch_size, on_gpu.tokenizer_workers) == (128, 1024, 2)

@@ -12,13 +12,20 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hil.cli.paper import main
 from hil.data.beir import BeirDataset
 from hil.evaluation.evaluate import first_stage
 from hil.evaluation.runs import read_trec_run
-from hil.cli.paper import main
 from hil.experiments.paper import head_overlap, relevant_pairs
-from hil.experiments.profiles import (DATASETS, DEFAULT_VARIANTS, DIAGNOSTICS, FIRST_STAGES, PROFILES, VARIANTS,
-                                      default_datasets)
+from hil.experiments.profiles import (
+    DATASETS,
+    DEFAULT_VARIANTS,
+    DIAGNOSTICS,
+    FIRST_STAGES,
+    PROFILES,
+    VARIANTS,
+    default_datasets,
+)
 from hil.experiments.records import NOT_COLUMNS, dataset_column, delta_inter_iso, load_dataset
 from hil.modeling.encoder import ColBERTEncoder
 from hil.retrieval.encoding import encode_document_tokens, eval_mode

@@ -21,11 +21,10 @@ import pytest
 import pytrec_eval
 from scipy import stats as scipy_stats
 
-import hil.experiments.beir as beir
 import hil.cli.beir as beir_cli
-from hil.evaluation.statistics import bootstrap_ci, stratified_bootstrap_ci
 import hil.evaluation.runner as runner
 from hil.evaluation.runner import column_name
+from hil.evaluation.statistics import bootstrap_ci, stratified_bootstrap_ci
 from hil.experiments.beir_sets import CQADUPSTACK_FORUMS, select
 from hil.experiments.beir_table import Cell, average_row, forum_mean, relative_change
 
@@ -320,7 +319,8 @@ def test_a_path_that_is_no_model_is_one_line(tmp_path, capsys):
 def test_no_dataset_found_and_an_unreachable_named_one_are_one_line(tmp_path, capsys, tiny_model_dir):
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert beir_cli.main(["--model", f"t={tiny_model_dir}", "--data-dir", str(empty), "--out", str(tmp_path / "o")]) == 2
+    assert beir_cli.main(["--model", f"t={tiny_model_dir}", "--data-dir", str(empty),
+                          "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--datasets" in err[0] and "no BEIR dataset found" in err[0], err
     assert beir_cli.main(["--model", f"t={tiny_model_dir}", "--data-dir", str(empty), "--datasets", "dl19", "--quiet",

@@ -23,7 +23,6 @@ import pytest
 import pytorch_lightning as pl
 import torch
 from torch import nn
-
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from hil.data.datamodule import EpochShuffleSampler, TrainingDataModule

@@ -10,17 +10,22 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import random_bert
 
 from hil.data.idf import AUTHORS_FORMULA, IDFTable
-from hil.isotropy.regularizers import (ConditionalIsotropyRegularizer, authors_hil_reg, conditional_isotropy,
-                                       mean_token_dot)
+from hil.isotropy.regularizers import (
+    ConditionalIsotropyRegularizer,
+    authors_hil_reg,
+    conditional_isotropy,
+    mean_token_dot,
+)
 from hil.modeling.encoder import ColBERTEncoder, upgrade_settings
 from hil.modeling.hil import HILEncoder
 from hil.modeling.hil_scoring import batch_moments, per_query_moments, zscore_from_sums
 from hil.modeling.losses import HILAuthorsLoss, TripleBatch
 from hil.retrieval.encoding import encode_document_tokens
 from hil.retrieval.search import score_documents
+
+from conftest import random_bert
 
 QUERIES = ["what is sleep", "how do cells divide in the body", "sleep"]
 DOCS = ["sleep is a state of rest.", "cells divide by mitosis, a process of the body.", "a body at rest",
@@ -29,7 +34,8 @@ DOCS = ["sleep is a state of rest.", "cells divide by mitosis, a process of the 
 
 def hil_encoder(tokenizer, seed: int = 0, **settings) -> HILEncoder:
     torch.manual_seed(seed)
-    return HILEncoder("random-bert", dim=16, query_maxlen=12, doc_maxlen=24, _loaded=(random_bert(seed=seed), tokenizer),
+    return HILEncoder("random-bert", dim=16, query_maxlen=12, doc_maxlen=24,
+                      _loaded=(random_bert(seed=seed), tokenizer),
                       **settings)
 
 

@@ -9,13 +9,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import random_bert
 
-from hil.data.beir import load_beir
 from hil.cli.evaluate_script import main
+from hil.data.beir import load_beir
 from hil.evaluation.evaluate import EvaluationSettings, evaluate, evaluate_run_file, first_stage
 from hil.evaluation.runs import read_trec_run
 from hil.modeling.encoder import ColBERTEncoder
+
+from conftest import random_bert
 
 WORDS = ["gene", "cell", "protein", "cancer", "heart", "brain", "water", "climate", "energy", "virus", "bone",
          "blood", "sugar", "sleep", "light"]

@@ -12,7 +12,6 @@ import logging
 
 import pytest
 import torch
-from peer_layouts import pylate_reference, stanford_reference, write_pylate, write_stanford
 
 from hil.errors import MissingInputError, UserError
 from hil.modeling.encoder import ColBERTEncoder
@@ -21,6 +20,8 @@ from hil.modeling.formats import ModelFormatError, model_layout
 from hil.modeling.hil import HILEncoder
 from hil.modeling.initial_weights import initial_state
 from hil.modeling.loading import load_encoder
+
+from peer_layouts import pylate_reference, stanford_reference, write_pylate, write_stanford
 
 pytestmark = pytest.mark.integration
 QUERIES = ["what is the capital of france?", "do vaccines cause autism, really"]

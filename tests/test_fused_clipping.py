@@ -96,7 +96,8 @@ def test_the_gpu_preset_trains_with_its_clipping(shared_dir, tmp_path, precision
     """``presets/gpu.yaml`` (fused AdamW) on ``configs/colbert.yaml`` (clip 2.0), as ``train.py`` runs it, on the
     CPU: before the fix, "does not allow for gradient clipping" at the first step."""
     done = subprocess.run(
-        [sys.executable, "train.py", "fit", "--config", "configs/colbert.yaml", "--config", "configs/presets/smoke.yaml",
+        [sys.executable, "train.py", "fit", "--config", "configs/colbert.yaml",
+         "--config", "configs/presets/smoke.yaml",
          "--config", "configs/presets/gpu.yaml", "--trainer.accelerator", "cpu", "--trainer.devices", "1",
          "--trainer.strategy", "auto", "--trainer.precision", precision, "--trainer.max_steps", "2",
          "--data.num_workers", "0", "--trainer.default_root_dir", str(tmp_path), "--export_dir", str(tmp_path / "x")],

@@ -25,9 +25,9 @@ from hypothesis import strategies as st
 
 from hil.data import line_index
 from hil.data.beir import read_corpus_jsonl, read_qrels_tsv, read_queries_jsonl
-from hil.errors import DataFormatError
 from hil.data.triples import Triple, read_triples
 from hil.data.triples_file import TriplesFile
+from hil.errors import DataFormatError
 from hil.evaluation.runs import read_trec_run
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

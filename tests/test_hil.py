@@ -9,7 +9,6 @@ import pytest
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
-from conftest import random_bert
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,11 +16,18 @@ from hil.data.datamodule import TrainingDataModule
 from hil.data.idf import IDFTable
 from hil.modeling.contracts import EncodedBatch
 from hil.modeling.hil import HILEncoder, RunningMoments
-from hil.modeling.hil_scoring import (batch_moments, hil_token_scores, lexical_query_mask, zscore,
-                                      zscored_late_interaction)
+from hil.modeling.hil_scoring import (
+    batch_moments,
+    hil_token_scores,
+    lexical_query_mask,
+    zscore,
+    zscored_late_interaction,
+)
 from hil.modeling.loading import load_encoder
 from hil.modeling.losses import HILLoss
 from hil.modeling.module import RetrieverModule
+
+from conftest import random_bert
 
 TRIPLES = "msmarco/triples.train.small.head1000.tsv"
 QUERIES = ["what causes fever", "effects of caffeine on sleep", "cat"]

@@ -26,13 +26,14 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
-from conftest import random_bert
 
 from hil.modeling.contracts import EncodedBatch
 from hil.modeling.hil import HILEncoder
 from hil.modeling.losses import HILAuthorsLoss, HILLoss, TripleBatch
 from hil.retrieval.encoding import encode_document_tokens, eval_mode
 from hil.retrieval.search import score_documents
+
+from conftest import random_bert
 
 QUERIES = ["what is sleep", "how do cells divide in the body", "sleep"]
 DOCS = ["sleep is a state of rest.", "cells divide by mitosis, a process of the body.", "a body at rest",

@@ -29,7 +29,6 @@ from types import SimpleNamespace
 import pytest
 import pytorch_lightning as pl
 import torch
-from conftest import gloo_group, run_spawned
 from pytorch_lightning.callbacks import LearningRateMonitor, ModelCheckpoint
 from pytorch_lightning.loggers import CSVLogger
 from pytorch_lightning.plugins.precision import MixedPrecision
@@ -37,12 +36,20 @@ from pytorch_lightning.plugins.precision import MixedPrecision
 from hil.data.datamodule import TokenizedCollate, TrainingDataModule, collate_examples
 from hil.data.triples import Triple
 from hil.modeling.backbone_mask import backbone_attention_mask
-from hil.modeling.callbacks import (NonFiniteGuard, NonFiniteLossError, ProgressLines, StepReseed,
-                                    nonfinite_gradients, step_seed)
+from hil.modeling.callbacks import (
+    NonFiniteGuard,
+    NonFiniteLossError,
+    ProgressLines,
+    StepReseed,
+    nonfinite_gradients,
+    step_seed,
+)
 from hil.modeling.encoder import ColBERTEncoder
 from hil.modeling.hil import HILEncoder, RunningMoments
 from hil.modeling.losses import HILLoss, LossOutput, PairwiseCE
 from hil.modeling.module import RetrieverModule, logs_this_step
+
+from conftest import gloo_group, run_spawned
 
 REPO = Path(__file__).resolve().parents[1]
 TRIPLES = "msmarco/triples.train.small.head1000.tsv"

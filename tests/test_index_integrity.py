@@ -16,10 +16,10 @@ import pytest
 
 from hil.retrieval import integrity
 from hil.retrieval.builder import build_index, open_or_build_index, rebuild_faiss
+from hil.retrieval.full_ranking import full_rank
 from hil.retrieval.index import INDEX_JSON, TokenIndex
 from hil.retrieval.integrity import IndexIntegrityError, NonFiniteError
 from hil.retrieval.search import exact_rank, exhaustive_scores, rank_matrix, rerank
-from hil.retrieval.full_ranking import full_rank
 
 from toys import toy_corpus
 

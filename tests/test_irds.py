@@ -20,9 +20,9 @@ from ir_datasets.datasets.base import Dataset  # noqa: E402
 from ir_datasets.formats import TrecQrels, TsvDocs, TsvQueries  # noqa: E402
 from ir_datasets.util import LocalDownload  # noqa: E402
 
+from hil.cli.evaluate_script import main as evaluate_main  # noqa: E402
 from hil.data.beir import load_beir  # noqa: E402
 from hil.errors import DataFormatError, MissingInputError, UserError  # noqa: E402
-from hil.cli.evaluate_script import main as evaluate_main  # noqa: E402
 from hil.evaluation.evaluate import evaluate_bm25, score_run  # noqa: E402
 
 # (title, text): titled and untitled documents, so that the BEIR join ("title text", or the text alone) is checked.

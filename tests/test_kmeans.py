@@ -18,11 +18,17 @@ from hil.errors import UserError
 from hil.retrieval import kmeans as kmeans_module
 from hil.retrieval.backends.configs import PlaidIndexConfig, PlaidSearchConfig
 from hil.retrieval.builder import _same_build_params, build_index, open_or_build_index
-from hil.retrieval.index import INDEX_JSON
-from hil.retrieval.kmeans import (KMeansEngine, kmeans_engine, nearest_centroids, spherical_inertia,
-                                  spherical_kmeans, split_pairs)
-from hil.retrieval.plaid import assign_codes, train_centroids
 from hil.retrieval.full_ranking import full_rank
+from hil.retrieval.index import INDEX_JSON
+from hil.retrieval.kmeans import (
+    KMeansEngine,
+    kmeans_engine,
+    nearest_centroids,
+    spherical_inertia,
+    spherical_kmeans,
+    split_pairs,
+)
+from hil.retrieval.plaid import assign_codes, train_centroids
 from hil.retrieval.search import exact_rank
 
 from toys import QUERIES, make_encoder, toy_corpus  # noqa: E402

@@ -8,9 +8,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hil.modeling.loss_functions import (in_batch_ce_loss, kl_distillation_loss, margin_mse_loss, minmax_normalize,
-                                         nway_ce_loss, own_negative_columns, pair_diagnostics, pairwise_ce_loss,
-                                         ranking_diagnostics, teacher_agreement)
+from hil.modeling.loss_functions import (
+    in_batch_ce_loss,
+    kl_distillation_loss,
+    margin_mse_loss,
+    minmax_normalize,
+    nway_ce_loss,
+    own_negative_columns,
+    pair_diagnostics,
+    pairwise_ce_loss,
+    ranking_diagnostics,
+    teacher_agreement,
+)
 
 
 def log_softmax_at(logits: list[float], index: int) -> float:

@@ -6,16 +6,24 @@ import math
 
 import pytest
 import torch
-from conftest import random_bert
 
 from hil.isotropy.metrics import inter_iso
 from hil.isotropy.regularizers import CosRegRegularizer, InterIsoRegularizer
 from hil.modeling import batch as batch_module
 from hil.modeling.encoder import ColBERTEncoder
 from hil.modeling.hil import HILEncoder
-from hil.modeling.losses import (HILLoss, InBatchCE, PairwiseCE, TripleBatch, in_batch_ce_loss, pair_diagnostics,
-                                 pairwise_ce_loss)
+from hil.modeling.losses import (
+    HILLoss,
+    InBatchCE,
+    PairwiseCE,
+    TripleBatch,
+    in_batch_ce_loss,
+    pair_diagnostics,
+    pairwise_ce_loss,
+)
 from hil.modeling.module import LinearWarmup, RetrieverModule
+
+from conftest import random_bert
 
 QUERIES = ["what causes fever", "is coffee bad for sleep", "cats"]
 POSITIVES = ["Fever is caused by infection.", "Coffee delays sleep in the evening.", "Cats are small carnivores."]

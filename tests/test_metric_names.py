@@ -45,7 +45,8 @@ def test_settings_refuse_an_unknown_metric_before_any_work():
         EvaluationSettings(metrics=("ndcg@10", "rrr@10"), index_root=None, mode="exhaustive")
     with pytest.raises(UserError, match=r"^statistics.metrics: "):
         StatisticsSettings(metrics=("nope",))
-    assert EvaluationSettings(metrics=("RR@10", "R@100"), index_root=None, mode="exhaustive").metrics == ("mrr@10", "recall@100")
+    assert EvaluationSettings(metrics=("RR@10", "R@100"), index_root=None,
+                              mode="exhaustive").metrics == ("mrr@10", "recall@100")
     assert StatisticsSettings(metrics=("nDCG@10",)).metrics == ("ndcg@10",)
 
 

@@ -13,10 +13,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from reference_metrics import mrr_at_k_reference, ndcg_at_k_reference
 from scipy import stats as scipy_stats
 from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
-from toys import make_encoder
 
 from hil.data.beir import BeirDataset
 from hil.evaluation.evaluate import EvaluationSettings, evaluate, evaluate_bm25
@@ -29,6 +27,9 @@ from hil.retrieval.backends.configs import FlatSearchConfig
 from hil.retrieval.encoding import encode_document_tokens, eval_mode
 from hil.retrieval.fast_encode import quantized_document_encoder
 from hil.retrieval.smoothing import SmoothedLinear
+
+from reference_metrics import mrr_at_k_reference, ndcg_at_k_reference
+from toys import make_encoder
 
 WORDS = ["gene", "cell", "protein", "cancer", "heart", "brain", "water", "climate", "energy", "virus", "bone",
          "blood", "sugar", "sleep", "light"]

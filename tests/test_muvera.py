@@ -25,11 +25,21 @@ from hil.data.beir import BeirDataset
 from hil.errors import UserError
 from hil.evaluation.evaluate import EvaluationSettings, evaluate
 from hil.isotropy.linear_transforms import MomentAccumulator
-from hil.retrieval.backends.configs import (FlatSearchConfig, MuveraIndexConfig, MuveraSearchConfig,
-                                            PlaidIndexConfig, configs_from_params)
 from hil.retrieval.backends import muvera
-from hil.retrieval.backends.muvera import (WHITEN_RIDGE, MuveraBackend, apply_token_transform, document_blocks,
-                                           fit_token_transform)
+from hil.retrieval.backends.configs import (
+    FlatSearchConfig,
+    MuveraIndexConfig,
+    MuveraSearchConfig,
+    PlaidIndexConfig,
+    configs_from_params,
+)
+from hil.retrieval.backends.muvera import (
+    WHITEN_RIDGE,
+    MuveraBackend,
+    apply_token_transform,
+    document_blocks,
+    fit_token_transform,
+)
 from hil.retrieval.backends.registry import open_backend
 from hil.retrieval.builder import build_index, open_or_build_index
 from hil.retrieval.encoding import eval_mode

@@ -16,16 +16,16 @@ from pathlib import Path
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from test_fuzz_loaders import BAD, BLANK, FUZZ, Expected, Line, blank_lines, check, files, with_bad_bytes
 
 from hil.data import example_files, nway_files
 from hil.data.datamodule import EpochShuffleSampler
-from hil.errors import DataFormatError, MissingInputError, UserError
 from hil.data.example_sources import open_example_source
 from hil.data.examples import ExampleSource, ScoredExample
 from hil.data.nway_files import NWayFile, PyLateFile
 from hil.data.pylate_files import open_pylate
 from hil.data.run_examples import RunExamples, RunSettings
+from hil.errors import DataFormatError, MissingInputError, UserError
+from test_fuzz_loaders import BAD, BLANK, FUZZ, Expected, Line, blank_lines, check, files, with_bad_bytes
 
 QUERIES = {"1": "what is α?", "2": "query two", "q3": "トークン three"}
 PASSAGES = {"10": "passage ten", "11": "passage eleven ünïcode", "12": "p twelve\twith a tab", "d4": "doc four"}
@@ -257,7 +257,7 @@ def test_run_positives_first_and_qrels_targets(tmp_path):
     assert items(open_example_source("run", "teacher.trec", queries="queries.tsv", collection="collection.tsv",
                                      data_dir=tmp_path, nway=2, positives="first", qrels="qrels.tsv")) == items(first)
     trec = tmp_path / "qrels.trec"  # TREC qrels give the same
-    trec.write_text("".join(f"{q} 0 {d} {g}\n" for q, d, g in (l.split("\t") for l in QRELS.splitlines())))
+    trec.write_text("".join(f"{q} 0 {d} {g}\n" for q, d, g in (line.split("\t") for line in QRELS.splitlines())))
     assert items(RunExamples(run, queries, collection, RunSettings(2, positives="first"), trec)) == items(first)
     # depth 2 cuts query 2's grade-2 positive (10 ranks 3rd): its grade-1 positive leads instead
     shallow = RunExamples(run, queries, collection, RunSettings(2, depth=2, positives="first"), qrels)

@@ -13,12 +13,13 @@ from hypothesis import strategies as st
 
 pytest.importorskip("onnxruntime")
 
-from conftest import random_bert  # noqa: E402
-from hil.retrieval.fast_encode import DOCUMENT_ENCODINGS, document_encoder  # noqa: E402
 from hil.retrieval.builder import build_index  # noqa: E402
 from hil.retrieval.encoding import encode_document_tokens, eval_mode  # noqa: E402
+from hil.retrieval.fast_encode import DOCUMENT_ENCODINGS, document_encoder  # noqa: E402
 from hil.retrieval.index import TokenIndex  # noqa: E402
 from hil.retrieval.onnx_encode import onnx_document_encoder  # noqa: E402
+
+from conftest import random_bert  # noqa: E402
 
 TEXTS = ["the protein binds the receptor in mouse cells", "vaccine dose and trial results, 2020.",
          "brain tumor growth is slowed by the therapy and by nothing else at all in this long sentence",
@@ -99,8 +100,8 @@ def test_smoothing_survives_export_exactly(colbert):
     the only approximation left for int8 to add."""
     import copy
 
-    from hil.retrieval.smoothing import activation_ranges, smooth_backbone
     from hil.retrieval.onnx_encode import onnx_backbone
+    from hil.retrieval.smoothing import activation_ranges, smooth_backbone
 
     smoothed = copy.deepcopy(colbert)
     ranges = activation_ranges(smoothed, TEXTS[:4])
@@ -146,8 +147,8 @@ def test_bad_modes_and_missing_runtime_are_named(colbert, monkeypatch):
 
 
 def test_index_is_rebuilt_when_the_encoding_recipe_or_calibration_changes(colbert, tmp_path, monkeypatch):
-    from hil.retrieval import fast_encode
     from hil.retrieval import builder as index_module
+    from hil.retrieval import fast_encode
 
     builds = []
     real_build = index_module.build_index

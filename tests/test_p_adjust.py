@@ -307,8 +307,8 @@ def test_analysis_significance_table_shows_raw_and_adjusted(per_query):
 @pytest.mark.parametrize("command", ["evaluate", "beir", "paper", "analysis"])
 def test_every_command_with_several_comparisons_takes_p_adjust(command):
     from hil.cli.analyze import build_parser as analysis_parser
-    from hil.cli.evaluate_script import build_parser as evaluate_parser
     from hil.cli.beir import build_parser as beir_parser
+    from hil.cli.evaluate_script import build_parser as evaluate_parser
     from hil.cli.paper import build_parser as paper_parser
 
     parser, required = {"evaluate": (evaluate_parser, ["--model", "m", "--dataset", "d"]),

@@ -18,14 +18,14 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from hil.modeling.scoring import masked_max
+from hil.retrieval import plaid_search as plaid_module
 from hil.retrieval.backends.configs import PlaidIndexConfig, PlaidSearchConfig
 from hil.retrieval.builder import build_index
 from hil.retrieval.codec import CompressedEmbeddings, fit_residual_codec
-from hil.retrieval import plaid_search as plaid_module
+from hil.retrieval.full_ranking import full_rank
 from hil.retrieval.plaid import CentroidPlan, assign_codes
 from hil.retrieval.plaid_search import centroid_interaction, plaid_candidates, plaid_pairs, top_by_score
 from hil.retrieval.search import exact_rank
-from hil.retrieval.full_ranking import full_rank
 from hil.retrieval.store import length_blocks, padded_rows
 
 from toys import QUERIES, TwoHeadEncoder, make_encoder, random_plan, toy_corpus, unit  # noqa: E402

@@ -14,10 +14,10 @@ from hil.retrieval.backends.configs import PlaidIndexConfig
 from hil.retrieval.backends.registry import open_backend
 from hil.retrieval.builder import build_index, open_or_build_index, rebuild_faiss
 from hil.retrieval.encoding import eval_mode
+from hil.retrieval.full_ranking import full_rank
 from hil.retrieval.index import TokenIndex
 from hil.retrieval.plaid_search import centroid_interaction, top_by_score
 from hil.retrieval.search import exact_rank
-from hil.retrieval.full_ranking import full_rank
 from hil.retrieval.store import gather_documents
 
 from toys import TwoHeadEncoder, make_encoder  # noqa: E402

@@ -14,8 +14,8 @@ from hil.retrieval.backends.configs import PlaidIndexConfig, PlaidSearchConfig
 from hil.retrieval.backends.registry import open_backend
 from hil.retrieval.builder import build_index
 from hil.retrieval.encoding import eval_mode
-from hil.retrieval.plaid_search import plaid_candidates
 from hil.retrieval.full_ranking import full_rank
+from hil.retrieval.plaid_search import plaid_candidates
 
 from toys import QUERIES, TwoHeadEncoder, make_encoder, toy_corpus
 

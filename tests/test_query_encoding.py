@@ -17,8 +17,8 @@ from hil.evaluation.runner import DatasetSpec, Experiment, ModelSpec, Statistics
 from hil.modeling.contracts import EncodedBatch
 from hil.modeling.loading import load_encoder
 from hil.retrieval.builder import build_index
-from hil.retrieval.onnx_encode import onnx_query_encoder
 from hil.retrieval.full_ranking import full_rank
+from hil.retrieval.onnx_encode import onnx_query_encoder
 
 QUERIES = ["what causes the common cold", "p53 mutation in cancer", "a query of a few words, with punctuation!"]
 

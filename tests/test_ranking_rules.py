@@ -26,8 +26,7 @@ from hil.data.ranking import id_rank, top_k_indices
 from hil.evaluation.evaluate import EvaluationSettings, evaluate, evaluate_bm25, first_stage
 from hil.evaluation.metrics import evaluate_run
 from hil.evaluation.runs import ranked
-from hil.retrieval.backends.configs import (IvfPqIndexConfig, IvfSearchConfig, PlaidIndexConfig,
-                                            PlaidSearchConfig)
+from hil.retrieval.backends.configs import IvfPqIndexConfig, IvfSearchConfig, PlaidIndexConfig, PlaidSearchConfig
 from hil.retrieval.search import rank_matrix
 
 from conftest import random_bert  # noqa: E402
@@ -103,7 +102,8 @@ def test_plaid_ndocs_and_stage2_changed_on_a_reused_index_are_used_and_recorded(
 
 def write_beir(folder, data: BeirDataset):
     (folder / "qrels").mkdir(parents=True)
-    (folder / "corpus.jsonl").write_text("".join(json.dumps({"_id": d, **doc}) + "\n" for d, doc in data.corpus.items()))
+    (folder / "corpus.jsonl").write_text("".join(json.dumps({"_id": d, **doc}) + "\n"
+                                                 for d, doc in data.corpus.items()))
     (folder / "queries.jsonl").write_text("".join(json.dumps({"_id": q, "text": t}) + "\n"
                                                   for q, t in data.queries.items()))
     (folder / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\n" + "".join(

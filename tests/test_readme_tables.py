@@ -11,9 +11,21 @@ from pathlib import Path
 import pytest
 
 from hil.errors import UserError
-from hil.experiments.readme_tables import (DISTILL_TABLE, DOCUMENTS, ENGINES_TABLE, MEASURED_HERE, PAPER_SUMMARY,
-                                           README, RESULTS, SEEDS_TABLE, main,
-                                           render_measured_here, render_paper_cpu_fidelity, rendered, table_blocks)
+from hil.experiments.readme_tables import (
+    DISTILL_TABLE,
+    DOCUMENTS,
+    ENGINES_TABLE,
+    MEASURED_HERE,
+    PAPER_SUMMARY,
+    README,
+    RESULTS,
+    SEEDS_TABLE,
+    main,
+    render_measured_here,
+    render_paper_cpu_fidelity,
+    rendered,
+    table_blocks,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCES = sorted({PAPER_SUMMARY, DISTILL_TABLE, SEEDS_TABLE, ENGINES_TABLE, *(row.results for row in MEASURED_HERE)})

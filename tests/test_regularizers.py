@@ -9,8 +9,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hil.isotropy.metrics import avg_cos, inter_iso, isoscore, isoscore_star, masked_tokens
-from hil.isotropy.regularizers import (CosRegRegularizer, InterIsoRegularizer, IStarRegularizer, Regularizer, cosreg,
-                                       interiso_reg, istar_reg)
+from hil.isotropy.regularizers import (
+    CosRegRegularizer,
+    InterIsoRegularizer,
+    IStarRegularizer,
+    Regularizer,
+    cosreg,
+    interiso_reg,
+    istar_reg,
+)
 
 torch.set_num_threads(1)
 

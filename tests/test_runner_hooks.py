@@ -12,8 +12,15 @@ import numpy as np
 import pytest
 
 from hil.evaluation.evaluate import EvaluationSettings, score_run
-from hil.evaluation.runner import (Column, DatasetRun, DatasetSpec, Experiment, ModelSpec, StatisticsSettings,
-                                   run_experiment)
+from hil.evaluation.runner import (
+    Column,
+    DatasetRun,
+    DatasetSpec,
+    Experiment,
+    ModelSpec,
+    StatisticsSettings,
+    run_experiment,
+)
 from hil.experiments.paper_columns import PaperColumns
 from hil.experiments.profiles import PROFILES
 from hil.modeling.loading import load_encoder

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from hil.retrieval.backends.configs import IvfPqIndexConfig
 from hil.retrieval.builder import build_index
 from hil.retrieval.encoding import eval_mode
-from hil.retrieval.search import exact_rank, rerank, score_documents, top_k
 from hil.retrieval.full_ranking import full_rank
+from hil.retrieval.search import exact_rank, rerank, score_documents, top_k
 from hil.retrieval.store import gather_documents
 
 from toys import QUERIES, TwoHeadEncoder, make_encoder, toy_corpus  # noqa: E402

@@ -14,8 +14,13 @@ from scipy import stats as scipy_stats
 
 from hil.evaluation.metrics import evaluate_run
 from hil.evaluation.score_distributions import bootstrap_thresholds, overlap_coe_roe, threshold_analysis
-from hil.evaluation.statistics import (bm25_easy_split, bootstrap_ci, paired_bootstrap_test, paired_permutation_test,
-                                       paired_t_test)
+from hil.evaluation.statistics import (
+    bm25_easy_split,
+    bootstrap_ci,
+    paired_bootstrap_test,
+    paired_permutation_test,
+    paired_t_test,
+)
 
 # ----------------------------------------------------------------------------------------------------------
 # bootstrap_ci (004 Section 2.1)

@@ -23,14 +23,14 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from hil.data import line_index
 from hil.data.beir import iter_text_lines
-from hil.data.datamodule import EpochShuffleSampler, TripleDataset, TrainingDataModule, collate_triples
+from hil.data.datamodule import EpochShuffleSampler, TrainingDataModule, TripleDataset, collate_triples
 from hil.data.distinct import SeenHashes, iter_distinct
-from hil.errors import DataFormatError
 from hil.data.id_texts import DENSE, HASHED, INTEGER, IdTextFile
 from hil.data.idf import IDFTable
 from hil.data.line_index import LineIndex
 from hil.data.triples import Triple, read_triples, write_triples
 from hil.data.triples_file import IdTriplesFile, TriplesFile
+from hil.errors import DataFormatError
 from hil.paths import resolve_data_file
 
 HEAD = "msmarco/triples.train.small.head1000.tsv"

@@ -12,12 +12,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from hil.cli import teacher as teacher_cli
 from hil.data.bm25 import BM25Index
 from hil.data.nway_files import NWayFile
 from hil.data.pylate_files import open_pylate
 from hil.data.run_examples import RunExamples, RunSettings
 from hil.experiments import teacher
-from hil.cli import teacher as teacher_cli
 
 QUERIES = {"q1": "which animals eat fish", "q2": "fast animals that run", "q3": "animals near ocean tides"}
 DOCS = {"d1": "cats are animals that eat fish and mice", "d2": "dogs are fast animals and run in parks",
@@ -177,7 +177,8 @@ def test_beir_dataset_writes_its_texts(tmp_path, cross_encoder):
     assert set(lines) == {"q1", "q2", "d4"} and "d4" not in [pid for pid, _ in lines["d4"]]  # no self match
     examples = NWayFile(output, tmp_path / "beir.queries.tsv", tmp_path / "beir.collection.tsv")
     # BEIR's "title text"; a line break inside a text becomes a space in the written collection
-    expected = {pid: ("T " if pid == "d2" else "") + text + (" more" if pid == "d1" else "") for pid, text in DOCS.items()}
+    expected = {pid: ("T " if pid == "d2" else "") + text + (" more" if pid == "d1" else "")
+                for pid, text in DOCS.items()}
     for example in (examples[i] for i in range(len(examples))):
         assert example.query == {**QUERIES, "d4": "animals eat"}[example.ids[0]]
         assert list(example.documents) == [expected[pid] for pid in example.ids[1:]]
@@ -226,7 +227,8 @@ def test_colbert_lines_hold_integer_ids_as_integers():
     """Stanford's examples files hold integer ids as JSON integers (its Queries/Collection key by int)."""
     assert teacher.example_line("colbert", "7", [("12", 0.5), ("x1", -1.0), ("007", 2.0)]) == \
         '[7, [12, 0.5], ["x1", -1.0], ["007", 2.0]]\n'
-    assert teacher.example_line("trec", "7", [("12", 0.5), ("x1", -1.0)]) == "7 Q0 12 1 0.5 teacher\n7 Q0 x1 2 -1.0 teacher\n"
+    assert teacher.example_line("trec", "7", [("12", 0.5), ("x1", -1.0)]) == \
+        "7 Q0 12 1 0.5 teacher\n7 Q0 x1 2 -1.0 teacher\n"
 
 
 def test_an_error_while_writing_leaves_no_file(tmp_path, texts, cross_encoder, monkeypatch):
@@ -438,7 +440,7 @@ def test_an_existing_output_is_refused_unless_overwrite_is_given(tmp_path, texts
     output.unlink()  # the teacher's .meta.json of that run is still there
     assert run_teacher(texts, output, *common) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and f"ex.jsonl.meta.json (written beside it) exists; pass --overwrite" in err
+    assert err.count("\n") == 1 and "ex.jsonl.meta.json (written beside it) exists; pass --overwrite" in err
 
 
 def test_a_file_the_teacher_writes_beside_the_output_is_refused_too(tmp_path, cross_encoder, capsys):

@@ -17,20 +17,26 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import random_bert
 
 from hil.errors import UserError
 from hil.isotropy.metrics import inter_iso, isoscore_star, masked_tokens
-from hil.isotropy.regularizers import (ConditionalIsotropyRegularizer, CosRegRegularizer, InterIsoRegularizer,
-                                       IStarRegularizer, cosreg, mean_token_dot)
+from hil.isotropy.regularizers import (
+    ConditionalIsotropyRegularizer,
+    CosRegRegularizer,
+    InterIsoRegularizer,
+    IStarRegularizer,
+    cosreg,
+    mean_token_dot,
+)
 from hil.modeling.batch import RankingBatch, TripleBatch
 from hil.modeling.contracts import EncodedBatch
 from hil.modeling.encoder import ColBERTEncoder
 from hil.modeling.hil import HILEncoder
-from hil.modeling.losses import (HILAuthorsLoss, HILLoss, InBatchCE, KLDistillation, MarginMSE, NWayCE,
-                                 PairwiseCE)
+from hil.modeling.losses import HILAuthorsLoss, HILLoss, InBatchCE, KLDistillation, MarginMSE, NWayCE, PairwiseCE
 from hil.modeling.module import RetrieverModule
 from hil.modeling.terms import HILAuthorsRegularizer, HILIsotropy, RegularizerTerm
+
+from conftest import random_bert
 
 QUERIES = ["what causes fever", "is coffee bad for sleep", "cats"]
 DOCS = [["Fever is caused by infection.", "Coffee delays sleep in the evening.", "Cats are small carnivores."],

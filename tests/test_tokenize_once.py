@@ -12,11 +12,10 @@ from __future__ import annotations
 import pickle
 import string
 
+import lightning_fabric
 import numpy as np
 import pytest
 import torch
-
-import lightning_fabric
 
 from hil.modeling.loading import load_encoder
 from hil.retrieval.builder import build_index

@@ -9,13 +9,13 @@ import pytest
 import pytorch_lightning as pl
 import torch
 
-from nway_examples import write_nway_examples
-
 from hil.cli.train import train_main
 from hil.data.datamodule import TrainingDataModule
 from hil.modeling.encoder import ColBERTEncoder
 from hil.modeling.loading import load_encoder
 from hil.modeling.module import RetrieverModule
+
+from nway_examples import write_nway_examples
 
 pytestmark = pytest.mark.integration
 
@@ -112,9 +112,9 @@ def test_init_from_checkpoint_and_export(shared_dir, tmp_path):
 
 def test_collate_lays_out_triples_as_before_and_examples_column_by_column():
     from hil.data.datamodule import collate_examples, collate_triples
-    from hil.errors import UserError
     from hil.data.examples import ScoredExample
     from hil.data.triples import Triple
+    from hil.errors import UserError
 
     triples = [Triple("q1", "p1", "n1"), Triple("q2", "p2", "n2")]
     assert collate_examples(triples) == collate_triples(triples)

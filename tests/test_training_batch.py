@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from nway_examples import write_nway_examples
-
 from hil.data.datamodule import TokenizedCollate, TrainingDataModule, collate_examples, collate_triples
 from hil.data.examples import ScoredExample
 from hil.data.triples import Triple
 from hil.errors import DataFormatError
 from hil.modeling.module import ranking_texts
+
+from nway_examples import write_nway_examples
 
 EXAMPLES = [ScoredExample("q1", ("a1", "b1", "c1"), (3.0, 1.0, 2.0)),
             ScoredExample("q2", ("a2", "b2", "c2"), (0.5, 0.0, -1.0)),

@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
-from conftest import random_bert
 
 from hil.data.datamodule import TrainingDataModule
 from hil.isotropy.regularizers import CosRegRegularizer, InterIsoRegularizer
@@ -28,6 +27,8 @@ from hil.modeling.encoder import ColBERTEncoder
 from hil.modeling.hil import HILEncoder
 from hil.modeling.losses import HILLoss, PairwiseCE, TripleBatch
 from hil.modeling.module import RetrieverModule
+
+from conftest import random_bert
 
 TRIPLES = "msmarco/triples.train.small.head1000.tsv"
 QUERIES = ["what causes fever", "is coffee bad for sleep", "cats"]

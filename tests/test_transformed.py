@@ -16,10 +16,19 @@ from hil.modeling.scoring import late_interaction_matrix
 from hil.retrieval.builder import build_index
 from hil.retrieval.encoding import encode_document_tokens, eval_mode
 from hil.retrieval.index import INDEX_JSON, encoder_fingerprint
-from hil.retrieval.transformed import (TransformedEncoder, derive_transformed_index, encode_sample,
-                                       fit_head_transforms, fit_transformed_encoder, load_transforms,
-                                       open_or_derive_index, sample_sequence_vectors, transform_file_name,
-                                       transform_fingerprint, unnormalized_transform)
+from hil.retrieval.transformed import (
+    TransformedEncoder,
+    derive_transformed_index,
+    encode_sample,
+    fit_head_transforms,
+    fit_transformed_encoder,
+    load_transforms,
+    open_or_derive_index,
+    sample_sequence_vectors,
+    transform_file_name,
+    transform_fingerprint,
+    unnormalized_transform,
+)
 
 TEXTS = ["the cat sat on the mat", "dogs chase cats in the park", "a quick brown fox jumps over the lazy dog",
          "proteins fold into three dimensional structures", "the stock market fell sharply on monday",
@@ -246,9 +255,9 @@ def test_evaluate_cli_with_transform(scifact, index_root, tmp_path, shared_dir):
 
 
 def test_hil_heads_are_transformed_each_with_its_own_fit(hf_tokenizer):
-    from conftest import random_bert
-
     from hil.modeling.hil import HILEncoder
+
+    from conftest import random_bert
 
     torch.manual_seed(0)
     hil = HILEncoder("random-bert", dim=16, query_maxlen=12, doc_maxlen=24,
@@ -288,9 +297,9 @@ def whiten_by_hand(batch: EncodedBatch, encoder: TransformedEncoder) -> EncodedB
 
 
 def test_every_encoder_member_is_the_wrappers_own_and_equals_the_transform_by_hand(hf_tokenizer, monkeypatch):
-    from conftest import random_bert
-
     from hil.modeling.hil import HILEncoder
+
+    from conftest import random_bert
 
     torch.manual_seed(0)
     hil = HILEncoder("random-bert", dim=16, query_maxlen=12, doc_maxlen=24,

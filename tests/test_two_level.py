@@ -13,8 +13,16 @@ import pytest
 import torch
 
 from hil.retrieval.kmeans import nearest_centroids, spherical_kmeans
-from hil.retrieval.two_level import (CentroidGroups, agreement, assign_codes_coarse, centroid_groups,
-                                     coarse_nearest_centroids, fine_centroid_counts, groups_of, two_level_kmeans)
+from hil.retrieval.two_level import (
+    CentroidGroups,
+    agreement,
+    assign_codes_coarse,
+    centroid_groups,
+    coarse_nearest_centroids,
+    fine_centroid_counts,
+    groups_of,
+    two_level_kmeans,
+)
 
 
 def unit_rows(x: np.ndarray) -> np.ndarray:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hil.retrieval.backends.configs import PlaidIndexConfig
 from hil.retrieval.backends.centroid import two_level_nprobe
+from hil.retrieval.backends.configs import PlaidIndexConfig
 from hil.retrieval.builder import build_index
 from hil.retrieval.store import TokenStore
 from hil.retrieval.vector_source import TiledVectors, random_rotation

@@ -8,8 +8,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from sections.common import (base_index, fmt, judged_queries, load_dataset, load_model, ndcg, setup_threads,
-                             variant_index)
+from sections.common import (
+    base_index,
+    fmt,
+    judged_queries,
+    load_dataset,
+    load_model,
+    ndcg,
+    setup_threads,
+    variant_index,
+)
 from sections.options import Job, comma_ints, comma_list, option
 
 if TYPE_CHECKING:

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from sections.config import BenchConfig
 
-# Index variants: name -> (back-end kind, its build-time settings, document encoding). The base index (fp32 encoding, fp16
-# vectors) is encoded once; each variant derives its structures from it (or is encoded again for int8).
+# Index variants: name -> (back-end kind, its build-time settings, document encoding). The base index (fp32 encoding,
+# fp16 vectors) is encoded once; each variant derives its structures from it (or is encoded again for int8).
 INDEX_VARIANTS: dict[str, tuple[str, dict[str, Any], str]] = {
     "flat": ("flat", {}, "fp32"),
     "plaid": ("plaid", {}, "fp32"),

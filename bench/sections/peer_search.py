@@ -22,8 +22,17 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from sections.common import (INDEX_VARIANTS, base_folder, base_index, fmt, judged_queries, load_dataset, load_model,
-                             ndcg, variant_index)
+from sections.common import (
+    INDEX_VARIANTS,
+    base_folder,
+    base_index,
+    fmt,
+    judged_queries,
+    load_dataset,
+    load_model,
+    ndcg,
+    variant_index,
+)
 from sections.options import BENCH, Job, comma_list, option
 
 if TYPE_CHECKING:
@@ -166,8 +175,8 @@ def pylate_model(encoder: Any, folder: Path) -> Path:
 
 
 def run(config: BenchConfig, job: Job) -> dict[str, Any]:
-    from hil.retrieval.index import encoder_fingerprint
     from hil.retrieval.full_ranking import full_rank
+    from hil.retrieval.index import encoder_fingerprint
     from measure import peak_rss_mb
     from peer_search_pylate import time_one_at_a_time
 

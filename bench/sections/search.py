@@ -16,8 +16,19 @@ import numpy as np
 
 from hil.evaluation.statistics import SIGNIFICANCE_LEVEL, add_adjusted
 from hil.evaluation.tables import adjustment_legend
-from sections.common import (INDEX_VARIANTS, base_folder, base_index, fmt, judged_queries, latencies, load_dataset,
-                             load_model, ndcg, variant_index)
+
+from sections.common import (
+    INDEX_VARIANTS,
+    base_folder,
+    base_index,
+    fmt,
+    judged_queries,
+    latencies,
+    load_dataset,
+    load_model,
+    ndcg,
+    variant_index,
+)
 from sections.options import Job, option
 
 if TYPE_CHECKING:

@@ -39,14 +39,22 @@ import numpy as np
 
 from hil.analysis import plots
 from hil.analysis.render import render_markdown
-from hil.analysis.sections import (Variant, head_overlap_section, isotropy_section, layers_section,
-                                   statistics_section, thresholds_section, token_cosines_section, vocabulary_section)
+from hil.analysis.sections import (
+    Variant,
+    head_overlap_section,
+    isotropy_section,
+    layers_section,
+    statistics_section,
+    thresholds_section,
+    token_cosines_section,
+    vocabulary_section,
+)
 from hil.analysis.similarity import top_pairs
-from hil.retrieval.backends.configs import configs_from_params, with_search_values
 from hil.evaluation.evaluate import Evaluation, EvaluationSettings, run_name
-from hil.evaluation.runner import DatasetSpec, Experiment, ModelSpec, StatisticsSettings, run_experiment
 from hil.evaluation.metrics import DEFAULT_METRICS
+from hil.evaluation.runner import DatasetSpec, Experiment, ModelSpec, StatisticsSettings, run_experiment
 from hil.provenance import StageClock, provenance, write_json_atomic
+from hil.retrieval.backends.configs import configs_from_params, with_search_values
 from hil.retrieval.index import encoder_fingerprint
 
 __all__ = ["AnalysisConfig", "Variant", "REPORT_METRICS", "STAT_METRICS", "evaluate_variants", "run_analysis",

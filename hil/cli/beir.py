@@ -41,7 +41,8 @@ def build_parser() -> CommandParser:
     add("--backend-params", "--faiss-params", dest="backend_params", type=Optional[dict], default=None,
         help='its build-time and search-time settings as JSON, e.g. \'{"nlist": 1024, "nprobe": 16}\'')
     add("--index-root", default="indexes", help="where indexes live; 'none' encodes in memory (not with mode full)")
-    add("--batch-size", type=int, default=None, help="documents per encoding batch (default: 32 on a CPU, 128 on a GPU)")
+    add("--batch-size", type=int, default=None,
+        help="documents per encoding batch (default: 32 on a CPU, 128 on a GPU)")
     add("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     add("--precision", choices=PRECISIONS, default="fp32", help="the corpus encoding's autocast")
     add("--encode-queries", choices=("fp32", "onnx"), default="fp32",

@@ -72,8 +72,16 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_command(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
-    from hil.experiments.paper import (log, names, publish, publish_seeds, run_profile, run_seeds, seed_list,
-                                       write_outputs)
+    from hil.experiments.paper import (
+        log,
+        names,
+        publish,
+        publish_seeds,
+        run_profile,
+        run_seeds,
+        seed_list,
+        write_outputs,
+    )
     from hil.experiments.seed_report import write_seed_report
     from hil.retrieval.devices import check_precision, resolve_device
 

@@ -49,17 +49,25 @@ from jsonargparse import Namespace  # noqa: E402
 from lightning_fabric.utilities.exceptions import MisconfigurationException  # noqa: E402
 from pytorch_lightning.cli import LightningArgumentParser, LightningCLI  # noqa: E402
 
+from hil.cli.parsers import OneLineErrors  # noqa: E402
+from hil.cli.train_runs import (  # noqa: E402
+    RESUME_HELP,
+    ResumeChoice,
+    check_accelerator,
+    check_checkpoint_fits,
+    clear_interrupt,
+    record_interrupt,
+    resume_command,
+    resume_decision,
+)
 from hil.data.datamodule import TrainingDataModule  # noqa: E402
+from hil.data.tokenization import MarkerTokenError  # noqa: E402
 from hil.errors import DEBUG_ENV, MissingInputError, UserError, check_output_path, one_line  # noqa: E402
 from hil.errors import user_error as _user_error  # noqa: E402
-from hil.data.tokenization import MarkerTokenError  # noqa: E402
 from hil.modeling.callbacks import NonFiniteGuard, NonFiniteLossError, ProgressLines, StepReseed  # noqa: E402
-from hil.modeling.interrupts import StopAtStepEnd, last_checkpoint  # noqa: E402
 from hil.modeling.export import ExportRefused, export_refusal, run_folders  # noqa: E402
+from hil.modeling.interrupts import StopAtStepEnd, last_checkpoint  # noqa: E402
 from hil.modeling.module import RetrieverModule  # noqa: E402
-from hil.cli.parsers import OneLineErrors  # noqa: E402
-from hil.cli.train_runs import (RESUME_HELP, ResumeChoice, check_accelerator, check_checkpoint_fits,  # noqa: E402
-                                clear_interrupt, record_interrupt, resume_command, resume_decision)
 
 __all__ = ["DEBUG_ENV", "HILCLI", "TrainingParser", "check_checkpoint", "one_line", "run_train", "train_main",
            "user_error"]

@@ -36,11 +36,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Mapping
 
-from hil.data.beir_files import (OutsideCorpus, QrelsBuilder, check_options, checked_id, iter_text_lines,
-                                 load_collection_tsv, load_topics_tsv, load_trec_qrels, parse_score, read_corpus_jsonl,
-                                 read_qrels_tsv, read_queries_jsonl, records_to_corpus, records_to_queries)
-from hil.errors import DataFormatError, MissingInputError
+from hil.data.beir_files import (
+    OutsideCorpus,
+    QrelsBuilder,
+    check_options,
+    checked_id,
+    iter_text_lines,
+    load_collection_tsv,
+    load_topics_tsv,
+    load_trec_qrels,
+    parse_score,
+    read_corpus_jsonl,
+    read_qrels_tsv,
+    read_queries_jsonl,
+    records_to_corpus,
+    records_to_queries,
+)
 from hil.data.irds import check_split, is_irds_name, read_irds
+from hil.errors import DataFormatError, MissingInputError
 from hil.paths import DATA_DIR_ENV, resolve_dataset
 from hil.provenance import fingerprint_strings
 
@@ -66,7 +79,8 @@ class BeirDataset:
     judged_outside_corpus: int = 0  # judgments in ``qrels`` of documents not in ``corpus`` (re-ranking sets)
 
     def doc_ids(self) -> list[str]:
-        """Document ids in corpus (file) order; row ``i`` of any index built over :meth:`documents` is ``doc_ids()[i]``."""
+        """Document ids in corpus (file) order; row ``i`` of any index built over :meth:`documents` is
+        ``doc_ids()[i]``."""
         return list(self.corpus)
 
     def query_ids(self) -> list[str]:
@@ -255,7 +269,8 @@ def _load_hub(name: str, split: str, outside_corpus: OutsideCorpus, relevance_le
 
 
 def _looks_like_path(name_or_path: str) -> bool:
-    return name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1 or os.sep != "/" and os.sep in name_or_path
+    return (name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
+            or os.sep != "/" and os.sep in name_or_path)
 
 
 def load_beir(name_or_path: str | os.PathLike, split: str | None = None, data_dir: str | os.PathLike | None = None, *,

@@ -37,11 +37,11 @@ from torch.utils.data import Dataset, DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from hil.data.distinct import StreamedTexts, iter_distinct
-from hil.errors import UserError
 from hil.data.examples import ExampleSource, ScoredExample
 from hil.data.tokenization import ColBERTTokenizer
 from hil.data.triples import Triple, iter_triples, mine_bm25_triples, read_triples
 from hil.data.triples_file import IdTriplesFile, TriplesFile
+from hil.errors import UserError
 from hil.paths import resolve_data_file
 
 

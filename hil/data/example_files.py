@@ -27,9 +27,9 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from hil.data.beir_files import checked_id
-from hil.errors import DataFormatError, UserError
 from hil.data.id_texts import IdTextFile
 from hil.data.line_index import FileStamp, cache_file, load_cache, save_cache, sequence_position
+from hil.errors import DataFormatError, UserError
 
 _CHECKED_KIND = 7        # header "kind" of a checking record
 _CHUNK = 4096            # ids looked up together

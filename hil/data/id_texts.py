@@ -27,9 +27,9 @@ from typing import Sequence
 
 import numpy as np
 
-from hil.errors import DataFormatError
 from hil.data.beir_files import checked_id
 from hil.data.line_index import LineIndex, cache_file, load_cache, save_cache
+from hil.errors import DataFormatError
 
 DENSE, INTEGER, HASHED = 0, 1, 2
 _MODES = {DENSE: "dense", INTEGER: "integer", HASHED: "hashed"}

@@ -146,7 +146,8 @@ class IDFTable:
         if self.formula not in FORMULAS:
             raise ValueError(f"hil.data.idf: unknown IDF formula {self.formula!r}; known: {FORMULAS}")
         if self.document_frequency.dim() != 1:
-            raise ValueError(f"hil.data.idf: document_frequency must be (V,), got {tuple(self.document_frequency.shape)}")
+            raise ValueError("hil.data.idf: document_frequency must be (V,), "
+                             f"got {tuple(self.document_frequency.shape)}")
         self.zero_ids = tuple(sorted({int(i) for i in self.zero_ids}))
         bad = [i for i in self.zero_ids if not 0 <= i < self.vocab_size]
         if bad:

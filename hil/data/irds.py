@@ -27,8 +27,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Protocol
 
-from hil.data.beir_files import (OutsideCorpus, QrelsBuilder, checked_id, parse_score, records_to_corpus,
-                                 records_to_queries)
+from hil.data.beir_files import (
+    OutsideCorpus,
+    QrelsBuilder,
+    checked_id,
+    parse_score,
+    records_to_corpus,
+    records_to_queries,
+)
 from hil.errors import MissingInputError, UserError
 
 IRDS_PREFIX = "irds:"

@@ -45,12 +45,23 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from hil.data.beir_files import iter_text_lines
-from hil.errors import DataFormatError
-from hil.data.example_files import (ExamplesOnDisk, checked_count, file_key, first_unknown, json_id, json_score,
-                                    load_checked, parse_json, save_checked, settings_key, text_of)
+from hil.data.example_files import (
+    ExamplesOnDisk,
+    checked_count,
+    file_key,
+    first_unknown,
+    json_id,
+    json_score,
+    load_checked,
+    parse_json,
+    save_checked,
+    settings_key,
+    text_of,
+)
 from hil.data.examples import ScoredExample, example_reader
 from hil.data.id_texts import IdTextFile
 from hil.data.line_index import LineIndex
+from hil.errors import DataFormatError
 
 # (query id, document ids, teacher scores or None) of one line, before ``nway`` is applied.
 Record = tuple[str, list[str], list[float] | None]

@@ -27,12 +27,12 @@ from typing import IO, Any, Callable, Iterator
 import numpy as np
 
 from hil.data.beir_files import iter_text_lines
-from hil.errors import DataFormatError, MissingInputError
 from hil.data.example_files import file_key, json_id, parse_json
+from hil.data.examples import example_reader
 from hil.data.id_texts import IdTextFile
 from hil.data.line_index import FileStamp, cache_file, load_cache, save_cache
-from hil.data.examples import example_reader
 from hil.data.nway_files import PyLateFile, parse_pylate
+from hil.errors import DataFormatError, MissingInputError
 from hil.provenance import atomic_output, file_lock, lock_path
 
 EXAMPLE_COLUMNS = ("query_id", "document_ids", "scores")

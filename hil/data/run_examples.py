@@ -17,7 +17,8 @@ Which N documents an example holds, with Lightning IR's options beside (:class:`
   in the run, the same in every epoch and process, so shards and resumes are exact), kept in rank order.
 - ``positives``: ``none``; or ``first`` (needs qrels): the judged positive candidate (grade >= ``relevance_level``)
   with the highest grade, then the best ranked, first (as ``hil teacher`` picks it), and the
-  other N - 1 drawn by ``selection`` from the candidates that are not judged positive (Lightning IR's ``"single_relevant"``, which draws the positive at random and may add a judged document
+  other N - 1 drawn by ``selection`` from the candidates that are not judged positive (Lightning IR's
+  ``"single_relevant"``, which draws the positive at random and may add a judged document
   absent from the run; here it must be in the run, since it needs a teacher score).
 - ``targets``: ``scores`` (the run's scores, for distillation), ``qrels`` (the grades, 0 for unjudged: Lightning
   IR's ``"relevance"``), or ``none`` (no scores: a positive-first example for contrastive losses; needs
@@ -48,12 +49,20 @@ from typing import Iterator, NamedTuple
 import numpy as np
 
 from hil.data.beir_files import iter_text_lines, load_trec_qrels, read_qrels_tsv
-from hil.errors import DataFormatError, UserError
-from hil.data.example_files import (ExamplesOnDisk, checked_count, file_key, load_checked, save_checked, settings_key,
-                                    text_of, unknown)
+from hil.data.example_files import (
+    ExamplesOnDisk,
+    checked_count,
+    file_key,
+    load_checked,
+    save_checked,
+    settings_key,
+    text_of,
+    unknown,
+)
 from hil.data.examples import ScoredExample, example_reader
 from hil.data.id_texts import IdTextFile
 from hil.data.line_index import LineIndex
+from hil.errors import DataFormatError, UserError
 
 logger = logging.getLogger(__name__)
 

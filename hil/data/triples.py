@@ -15,7 +15,7 @@ import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 from hil.data.beir import BeirDataset
 from hil.data.beir_files import iter_text_lines

@@ -30,10 +30,10 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from hil.data.beir_files import checked_id, iter_text_lines
-from hil.errors import DataFormatError, UserError
 from hil.data.id_texts import IdTextFile
 from hil.data.line_index import LineIndex, sequence_position
 from hil.data.triples import Triple, parse_triple
+from hil.errors import DataFormatError, UserError
 
 _CHUNK = 4096  # triples whose ids are looked up together when streaming
 

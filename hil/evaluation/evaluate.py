@@ -28,17 +28,17 @@ from hil.data.beir import BeirDataset
 from hil.data.bm25 import bm25_run
 from hil.errors import UserError
 from hil.evaluation.metrics import DEFAULT_METRICS, evaluate_run
-from hil.evaluation.settings import EvaluationSettings, run_name  # noqa: F401 (EvaluationSettings re-exported)
 from hil.evaluation.runs import candidates_from_run, read_trec_run, run_depth
+from hil.evaluation.settings import EvaluationSettings, run_name  # noqa: F401 (EvaluationSettings re-exported)
 from hil.modeling.contracts import EncodedBatch, Encoder
 from hil.retrieval.builder import open_or_build_index
 from hil.retrieval.corpus_encoding import check_processes
 from hil.retrieval.devices import autocast, check_precision, faiss_gpu_for, resolve_device
 from hil.retrieval.encoding import encode_document_tokens, eval_mode
+from hil.retrieval.full_ranking import full_rank
 from hil.retrieval.index import TokenIndex, encoder_fingerprint
 from hil.retrieval.onnx_encode import onnx_query_encoder
 from hil.retrieval.search import SearchResult, exact_rank, exhaustive_scores, rank_matrix, rerank
-from hil.retrieval.full_ranking import full_rank
 from hil.retrieval.store import TokenStore
 
 Run = dict[str, dict[str, float]]

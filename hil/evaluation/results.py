@@ -30,9 +30,18 @@ from hil.data.beir import BeirDataset
 from hil.evaluation.evaluate import Evaluation
 from hil.evaluation.experiment import StatisticsSettings
 from hil.evaluation.runs import write_trec_run
-from hil.evaluation.statistics import (P_ADJUST_NAMES, SIGNIFICANCE_LEVEL, add_adjusted, adjust_p_values,
-                                       bm25_easy_split, bootstrap_ci, paired_bootstrap_test, paired_permutation_test,
-                                       paired_t_test, stratified_bootstrap_ci)
+from hil.evaluation.statistics import (
+    P_ADJUST_NAMES,
+    SIGNIFICANCE_LEVEL,
+    add_adjusted,
+    adjust_p_values,
+    bm25_easy_split,
+    bootstrap_ci,
+    paired_bootstrap_test,
+    paired_permutation_test,
+    paired_t_test,
+    stratified_bootstrap_ci,
+)
 from hil.modeling.contracts import Encoder
 from hil.provenance import file_lock, provenance, write_json_atomic
 

@@ -42,15 +42,37 @@ import torch
 
 from hil.data.beir import BeirDataset, load_beir
 from hil.errors import UserError
+from hil.evaluation.evaluate import (
+    Evaluation,
+    EvaluationSettings,
+    evaluate,
+    evaluate_bm25,
+    evaluate_run_file,
+    evaluate_transformed,
+    first_stage,
+    subset_with_first_stage,
+)
+from hil.evaluation.experiment import BASELINE, DatasetSpec, Experiment, ModelSpec, StatisticsSettings, column_name
+from hil.evaluation.identity import (
+    baseline_identity,
+    dataset_identity,
+    differences,
+    evaluation_identity,
+    normalized,
+    run_file_of,
+)
 from hil.evaluation.metrics import measurable_metrics
-from hil.evaluation.evaluate import (Evaluation, EvaluationSettings, evaluate, evaluate_bm25, evaluate_run_file,
-                                     evaluate_transformed, first_stage, subset_with_first_stage)
-from hil.evaluation.experiment import (BASELINE, DatasetSpec, Experiment, ModelSpec, StatisticsSettings,
-                                       column_name)
-from hil.evaluation.identity import (baseline_identity, dataset_identity, differences, evaluation_identity,
-                                     normalized, run_file_of)
-from hil.evaluation.results import (RESULTS_LOCK, Column, DatasetResult, dataset_record, evaluation_statistics,
-                                    forum_mean_result, other_columns, paired_comparisons, write_results)
+from hil.evaluation.results import (
+    RESULTS_LOCK,
+    Column,
+    DatasetResult,
+    dataset_record,
+    evaluation_statistics,
+    forum_mean_result,
+    other_columns,
+    paired_comparisons,
+    write_results,
+)
 from hil.evaluation.runs import write_trec_run
 from hil.evaluation.seeds import seed_table
 from hil.modeling.contracts import Encoder

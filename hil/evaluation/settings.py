@@ -12,8 +12,14 @@ from typing import Any, Mapping
 
 from hil.errors import UserError
 from hil.evaluation.metrics import DEFAULT_METRICS, canonical_metrics
-from hil.retrieval.backends.configs import (IndexConfig, SearchConfig, check_search, configs_from_params,
-                                            index_config, with_search_values)
+from hil.retrieval.backends.configs import (
+    IndexConfig,
+    SearchConfig,
+    check_search,
+    configs_from_params,
+    index_config,
+    with_search_values,
+)
 from hil.retrieval.choices import PRECISIONS, QUERY_ENCODINGS, check_verify
 
 MODES = ("full", "rerank", "exhaustive")  # hil.evaluation.evaluate's docstring says what each does
@@ -116,7 +122,8 @@ class EvaluationSettings:
             raise UserError("keep_head_scores needs mode='exhaustive' (dense score matrices)")
         if self.query_encoding is not None:
             if self.query_encoding not in QUERY_ENCODINGS:
-                raise UserError(f"query_encoding must be one of {QUERY_ENCODINGS} or None (got {self.query_encoding!r})")
+                raise UserError(f"query_encoding must be one of {QUERY_ENCODINGS} "
+                                f"or None (got {self.query_encoding!r})")
             if self.mode != "full":
                 raise UserError("query_encoding is a full-ranking (search latency) setting; mode is "
                                 f"{self.mode!r}")

@@ -32,7 +32,6 @@ from typing import Any, Callable, Hashable, Literal, Mapping, MutableMapping, Se
 
 import numpy as np
 
-
 PerQuery = Union[Mapping[str, float], Sequence[float], np.ndarray]
 Align = Literal["same", "intersection"]
 P_ADJUST_METHODS: tuple[str, ...] = ("holm", "bh", "none")

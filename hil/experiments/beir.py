@@ -42,8 +42,7 @@ from typing import Any
 
 from hil.errors import UserError
 from hil.evaluation.evaluate import EvaluationSettings
-from hil.evaluation.runner import (DatasetResult, DatasetSpec, Experiment, ModelSpec, StatisticsSettings,
-                                   run_experiment)
+from hil.evaluation.runner import DatasetResult, DatasetSpec, Experiment, ModelSpec, StatisticsSettings, run_experiment
 from hil.experiments.beir_sets import Selection, data_root, evaluation_order, missing_notice, select
 from hil.experiments.beir_table import BM25, build_table, render_markdown
 from hil.provenance import provenance, write_json_atomic, write_text_atomic
@@ -83,7 +82,8 @@ def evaluation_settings(args: argparse.Namespace) -> EvaluationSettings:
 
 
 def model_spec(value: str) -> ModelSpec:
-    """``NAME=PATH`` or ``PATH`` -> its model (column NAME, or the folder's name: :func:`hil.evaluation.runner.column_name`)."""
+    """``NAME=PATH`` or ``PATH`` -> its model (column NAME, or the folder's name:
+    :func:`hil.evaluation.runner.column_name`)."""
     if "=" not in value or Path(value).expanduser().exists():
         return ModelSpec(value)
     name, _, source = value.partition("=")

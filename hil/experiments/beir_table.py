@@ -30,6 +30,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from hil.evaluation.evaluate import Evaluation
+
 # CQADupStack's rule is hil evaluate's too (a folder of forums): one function, in the evaluation layer.
 from hil.evaluation.results import Cell, evaluation_statistics, forum_mean, record_cell
 from hil.evaluation.statistics import SIGNIFICANCE_LEVEL, stratified_bootstrap_ci

@@ -39,8 +39,8 @@ import torch
 
 from hil.analysis.similarity import isotropy_scores
 from hil.data.beir import BeirDataset
-from hil.errors import UserError
 from hil.data.ranking import id_rank, top_k_indices
+from hil.errors import UserError
 from hil.evaluation.evaluate import EvaluationSettings, document_store, evaluate
 from hil.evaluation.experiment import ModelSpec
 from hil.evaluation.runner import load_model
@@ -49,8 +49,13 @@ from hil.evaluation.tables import fmt, markdown_table
 from hil.isotropy.metrics import effective_rank
 from hil.modeling.contracts import Encoder
 from hil.provenance import provenance, write_json_atomic, write_text_atomic
-from hil.retrieval.backends.configs import (IndexConfig, IvfFlatIndexConfig, MuveraIndexConfig, PlaidIndexConfig,
-                                            SearchConfig)
+from hil.retrieval.backends.configs import (
+    IndexConfig,
+    IvfFlatIndexConfig,
+    MuveraIndexConfig,
+    PlaidIndexConfig,
+    SearchConfig,
+)
 from hil.retrieval.backends.muvera import apply_token_transform
 from hil.retrieval.backends.registry import open_backend
 from hil.retrieval.index import TokenIndex, encoder_fingerprint

@@ -43,19 +43,26 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Collection
 
-
 from hil.errors import UserError
 from hil.evaluation.evaluate import EvaluationSettings
 from hil.evaluation.runner import DatasetSpec, Experiment, ModelSpec, StatisticsSettings, run_experiment
 from hil.experiments.paper_columns import ExperimentError, PaperColumns, head_overlap, log, relevant_pairs
-from hil.experiments.profiles import (CORPUS_IDF, DATASETS, DEFAULT_VARIANTS, ENSEMBLES, FIRST_STAGES, VARIANTS,
-                                      Profile, default_datasets)
+from hil.experiments.profiles import (
+    CORPUS_IDF,
+    DATASETS,
+    DEFAULT_VARIANTS,
+    ENSEMBLES,
+    FIRST_STAGES,
+    VARIANTS,
+    Profile,
+    default_datasets,
+)
 from hil.experiments.records import load_dataset, load_results, other_data, require_local, summarize
 from hil.experiments.report import write_report
 from hil.experiments.seed_report import seed_folder, write_seed_report
 from hil.modeling.encoder import CONFIG_NAME
-from hil.provenance import provenance, write_json_atomic
 from hil.paths import DATA_DIR_ENV
+from hil.provenance import provenance, write_json_atomic
 
 # Re-exported: the paper's own measurements live in hil.experiments.paper_columns.
 __all__ = ["ExperimentError", "PaperColumns", "head_overlap", "paper_experiment", "relevant_pairs", "run_profile"]

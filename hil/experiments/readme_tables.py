@@ -61,7 +61,8 @@ class MeasuredRow:
 
 
 MEASURED_HERE: tuple[MeasuredRow, ...] = (
-    MeasuredRow("BM25 (bm25s, as above)", "BM25", "results/demo/metrics.json", "bm25", "make demo DEMO_RESULTS=results/demo"),
+    MeasuredRow("BM25 (bm25s, as above)", "BM25", "results/demo/metrics.json", "bm25",
+                "make demo DEMO_RESULTS=results/demo"),
     MeasuredRow("ColBERT, untrained head (random 128-d projection, seed 12345)", "untrained head",
                 "results/demo-untrained/metrics.json", "model",
                 "python evaluate.py --model sentence-transformers/all-MiniLM-L6-v2 --dataset scifact --dim 128 "
@@ -178,7 +179,8 @@ def render_distill_cpu(root: Path, document: str = README) -> list[str]:
     stats = _field(table, DISTILL_TABLE, "statistics")
     legend = (f"Baseline: {table['baseline']}. " + adjustment_legend(stats.get("p_adjust", "none"),
                                                                        stats.get("family", FAMILY),
-                                                                       stats["significance"], test=stats["dagger_test"]))
+                                                                       stats["significance"],
+                                                                       test=stats["dagger_test"]))
     return [*main_lines(table), "", legend, "", *detail_lines(table)]
 
 

@@ -21,11 +21,15 @@ import torch
 from hil.data.beir import BeirDataset, load_beir
 from hil.errors import MissingInputError
 from hil.evaluation.evaluate import Evaluation, evaluate_run_file, subset_with_first_stage
-from hil.evaluation.statistics import (SIGNIFICANCE_LEVEL, add_adjusted, bootstrap_ci, paired_permutation_test,
-                                       paired_t_test)
+from hil.evaluation.statistics import (
+    SIGNIFICANCE_LEVEL,
+    add_adjusted,
+    bootstrap_ci,
+    paired_permutation_test,
+    paired_t_test,
+)
 from hil.experiments.diagnostics import length_table, query_lengths
-from hil.experiments.profiles import (DATASETS, ENSEMBLES, FIRST_STAGES, RERANKING_SETS, VARIANTS, ZERO_SHOT,
-                                      Profile)
+from hil.experiments.profiles import DATASETS, ENSEMBLES, FIRST_STAGES, RERANKING_SETS, VARIANTS, ZERO_SHOT, Profile
 from hil.paths import DATA_DIR_ENV, resolve_dataset
 from hil.provenance import git_commit, provenance, versions
 

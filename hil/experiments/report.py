@@ -18,8 +18,16 @@ import numpy as np
 
 from hil.evaluation.tables import adjustment_legend, markdown_table, p_with_adjusted, pct, relative
 from hil.experiments.profiles import CORPUS_IDF, DATASETS, ENSEMBLES, VARIANTS, ZERO_SHOT, Profile
-from hil.experiments.records import (ABLATION_ROWS, DATASET_LABELS, MAIN_ROWS, MODULE_ROWS, SIGNIFICANCE_FAMILY,
-                                     TABLE3_ROWS, Results, dataset_column)
+from hil.experiments.records import (
+    ABLATION_ROWS,
+    DATASET_LABELS,
+    MAIN_ROWS,
+    MODULE_ROWS,
+    SIGNIFICANCE_FAMILY,
+    TABLE3_ROWS,
+    Results,
+    dataset_column,
+)
 from hil.provenance import write_text_atomic
 
 

@@ -18,7 +18,8 @@ qrels: ``--qrels`` or the dataset's), each query's judged positive -- the highes
 then the best mined, then the smallest id -- joins the candidates when the miner missed it. (4) The teacher scores
 every candidate (:mod:`hil.experiments.teacher_models`: ``colbert`` for any model hil loads, ``cross-encoder``,
 ``dense``; a dense teacher encodes each distinct passage once for the whole run), its progress counted in what
-costs (passages, pairs or queries) batch by batch. (5) Each query's line holds its ``--nway`` best candidates by teacher score (ties: the miner's order),
+costs (passages, pairs or queries) batch by batch. (5) Each query's line holds its ``--nway`` best candidates by
+teacher score (ties: the miner's order),
 best first; with ``--positives first``, the positive first and the ``--nway - 1`` best of the candidates not judged
 positive after it (ColBERTv2's examples are positive-first). A query with fewer candidates than that is left out
 (counted in the sidecar).
@@ -50,9 +51,9 @@ import torch
 
 from hil.data.beir import BeirDataset, load_beir, load_collection_tsv, load_topics_tsv
 from hil.data.bm25 import BM25Index
-from hil.errors import MissingInputError, UserError
 from hil.data.id_texts import integer_id
 from hil.data.run_examples import read_qrels
+from hil.errors import MissingInputError, UserError
 from hil.evaluation.evaluate import EvaluationSettings, document_store
 from hil.evaluation.runs import ranked
 from hil.experiments.teacher_models import Teacher, load_teacher
@@ -61,9 +62,9 @@ from hil.modeling.loading import load_encoder
 from hil.paths import resolve_data_file
 from hil.provenance import atomic_output, provenance
 from hil.retrieval.devices import resolve_device
+from hil.retrieval.full_ranking import full_rank
 from hil.retrieval.progress import progress_bar
 from hil.retrieval.search import exact_rank
-from hil.retrieval.full_ranking import full_rank
 
 POSITIVE_OPTIONS = ("depth", "batch_size", "max_queries", "max_length", "relevance_level")
 _LINE_BREAKS = str.maketrans({"\n": " ", "\r": " "})

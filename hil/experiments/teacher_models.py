@@ -5,7 +5,8 @@
   :func:`hil.retrieval.search.rerank` (the candidates' texts encoded on the fly in fp32, groups of queries at a
   time: bounded memory).
 - ``cross-encoder``: a Hugging Face ``AutoModelForSequenceClassification`` with its tokenizer, on (query,
-  document) pairs in batches (of pairs of similar length: little padding), eval mode, no gradients; the score is the logit (one label) or the log-odds of label 1
+  document) pairs in batches (of pairs of similar length: little padding), eval mode, no gradients; the score is
+  the logit (one label) or the log-odds of label 1
   against label 0 (two labels). Pairs are truncated longest-first to ``max_length`` tokens (sentence-transformers'
   ``CrossEncoder`` does the same).
 - ``dense``: a Hugging Face encoder (``AutoModel``) as a bi-encoder: mean of the last hidden states over the

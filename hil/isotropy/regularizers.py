@@ -25,8 +25,14 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from hil.isotropy.metrics import (covariance, inter_iso, isoscore_star, masked_tokens, sum_offdiagonal_cosines,
-                                  token_cloud)
+from hil.isotropy.metrics import (
+    covariance,
+    inter_iso,
+    isoscore_star,
+    masked_tokens,
+    sum_offdiagonal_cosines,
+    token_cloud,
+)
 
 ShrinkageTarget = Literal["identity", "running"]
 SHRINKAGE_TARGETS: tuple[str, ...] = ("identity", "running")

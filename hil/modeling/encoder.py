@@ -20,13 +20,12 @@ from torch import Tensor, nn
 from transformers import AutoModel, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
-from hil.errors import UserError
 from hil.data.idf import IDFTable
 from hil.data.tokenization import ColBERTTokenizer, TokenizedBatch
+from hil.errors import UserError
 from hil.modeling.backbone_mask import backbone_attention_mask
 from hil.modeling.contracts import EncodedBatch, Encoder
-from hil.modeling.encoder_settings import (HEAD_INITS, ColBERTSettings, EncoderSettings, HeadInit,
-                                           upgrade_settings)
+from hil.modeling.encoder_settings import HEAD_INITS, ColBERTSettings, EncoderSettings, HeadInit, upgrade_settings
 from hil.modeling.scoring import late_interaction, late_interaction_matrix
 from hil.paths import resolve_model
 from hil.provenance import provenance, write_json_atomic

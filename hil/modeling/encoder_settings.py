@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Literal, Sequence
 
-from hil.errors import UserError
 from hil.data.tokenization import DOC_MARKER, QUERY_MARKER
+from hil.errors import UserError
 from hil.modeling.hil_scoring import DEFAULT_EPS
 
 HeadInit = Literal["bert", "torch"]

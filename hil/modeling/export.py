@@ -33,8 +33,15 @@ from hil.modeling.contracts import Encoder
 from hil.modeling.encoder import CONFIG_NAME, ColBERTEncoder, MultiVectorEncoder
 from hil.modeling.formats import SHARDED_INDEXES, STANFORD_ARCHITECTURE, STANFORD_METADATA, WEIGHT_FILES
 from hil.modeling.hub import CARD_NAME
-from hil.provenance import (atomic_directory, atomic_output, file_lock, give_plain_file_modes, lock_path, versions,
-                            write_json_atomic)
+from hil.provenance import (
+    atomic_directory,
+    atomic_output,
+    file_lock,
+    give_plain_file_modes,
+    lock_path,
+    versions,
+    write_json_atomic,
+)
 
 logger = logging.getLogger(__name__)
 

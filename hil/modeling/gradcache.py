@@ -15,7 +15,8 @@ The backward of steps 2 and 3 runs from a hook on the returned loss (as PyLate's
 sentence-transformers' ``CachedMultipleNegativesRankingLoss`` do), so Lightning's ``loss.backward()``, loss scaling
 and gradient accumulation drive it unchanged: the gradient reaching the loss enters the objective's backward, as it
 enters the whole batch's (under fp16 loss scaling, scaled before any half-precision product's backward, as there).
-The objective's graph over the embeddings is kept from the forward to the backward, as the whole batch's is. The replayed forward runs
+The objective's graph over the embeddings is kept from the forward to the backward, as the whole batch's is.
+The replayed forward runs
 under the autocast of step 1, its backward outside autocast (as Lightning's). The parameter gradients equal those of
 the whole batch at once up to floating-point reordering (``tests/test_gradcache.py``; under bf16 autocast, up to the
 rounding that any other chunking of the batch shows too); the price is a second forward pass
@@ -36,8 +37,8 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import get_device_states, set_device_states
 
-from hil.errors import UserError
 from hil.data.tokenization import TokenizedBatch
+from hil.errors import UserError
 from hil.modeling.contracts import EncodedBatch, Encoder
 from hil.modeling.distributed import is_distributed
 

@@ -64,10 +64,24 @@ from hil.modeling.backbone_mask import backbone_attention_mask
 from hil.modeling.contracts import EncodedBatch
 from hil.modeling.distributed import pooled_moments
 from hil.modeling.encoder import LoadedBackbone, MultiVectorEncoder, config_field
-from hil.modeling.encoder_settings import (HIL_CHOICES, HIL_HEADS, HILSettings, IDFFormula, LexicalInput,
-                                           LexicalQueryTokens, ZScoreEval, ZScoreStd)
-from hil.modeling.hil_scoring import (batch_moments, hil_token_scores, lexical_query_mask, per_query_moments,
-                                      zscore_from_sums, zscored_late_interaction)
+from hil.modeling.encoder_settings import (
+    HIL_CHOICES,
+    HIL_HEADS,
+    HILSettings,
+    IDFFormula,
+    LexicalInput,
+    LexicalQueryTokens,
+    ZScoreEval,
+    ZScoreStd,
+)
+from hil.modeling.hil_scoring import (
+    batch_moments,
+    hil_token_scores,
+    lexical_query_mask,
+    per_query_moments,
+    zscore_from_sums,
+    zscored_late_interaction,
+)
 from hil.modeling.scoring import sum_query_tokens
 
 # The names this module had before the settings moved to ``hil.modeling.encoder_settings``.
@@ -270,7 +284,8 @@ class HILEncoder(MultiVectorEncoder):
         return out
 
     def score(self, queries: EncodedBatch, docs: EncodedBatch) -> Tensor:
-        """``score_late_L + score_late_H`` of every query against every document (the paper's "simply add"). -> (Bq, Bd)"""
+        """``score_late_L + score_late_H`` of every query against every document (the paper's "simply add").
+        -> (Bq, Bd)"""
         heads = self.score_heads(queries, docs, all_pairs=True)
         return heads["L"] + heads["H"]
 

@@ -108,7 +108,8 @@ def model_card(export_dir: Path, metrics_files: Iterable[Path] = (), repo_id: st
               *[f"| {key} | `{value}` |" for key, value in sorted(settings.items()) if key != "idf"], ""]
     data = record.get("data")
     lines += ["## Training", "", f"- steps: {record.get('global_step', 'not recorded')}",
-              f"- loss: `{json.dumps(training.get('loss'))}`", f"- regularizer: `{json.dumps(training.get('regularizer'))}`",
+              f"- loss: `{json.dumps(training.get('loss'))}`",
+              f"- regularizer: `{json.dumps(training.get('regularizer'))}`",
               f"- training data: `{json.dumps(data) if data else 'not recorded'}`",
               f"- versions: `{json.dumps(record.get('versions', {}))}`", ""]
     rows = _evaluation_rows(metrics_files)

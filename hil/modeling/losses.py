@@ -32,11 +32,31 @@ from hil.errors import UserError
 from hil.modeling.batch import RankingBatch, TripleBatch
 from hil.modeling.contracts import Encoder
 from hil.modeling.distributed import gather_encoded
-from hil.modeling.loss_functions import (MarginPairs, in_batch_ce_loss, kl_distillation_loss, margin_mse_loss,
-                                         minmax_normalize, nway_ce_loss, own_negative_columns, pair_diagnostics,
-                                         pairwise_ce_loss, ranking_diagnostics, teacher_agreement)
-from hil.modeling.terms import (HEAD_COMBINATIONS, HeadCombination, HILAuthorsRegularizer, HILIsotropy, LossOutput,
-                                Term, TrainingLoss, combine_heads, require_hil_encoder, running_moment_logs)
+from hil.modeling.loss_functions import (
+    MarginPairs,
+    in_batch_ce_loss,
+    kl_distillation_loss,
+    margin_mse_loss,
+    minmax_normalize,
+    nway_ce_loss,
+    own_negative_columns,
+    pair_diagnostics,
+    pairwise_ce_loss,
+    ranking_diagnostics,
+    teacher_agreement,
+)
+from hil.modeling.terms import (
+    HEAD_COMBINATIONS,
+    HeadCombination,
+    HILAuthorsRegularizer,
+    HILIsotropy,
+    LossOutput,
+    Term,
+    TrainingLoss,
+    combine_heads,
+    require_hil_encoder,
+    running_moment_logs,
+)
 
 __all__ = ["PairwiseCE", "NWayCE", "InBatchCE", "KLDistillation", "MarginMSE", "HILLoss", "HILAuthorsLoss",
            "LossOutput", "Term", "TrainingLoss", "RankingBatch", "TripleBatch", "pairwise_ce_loss", "nway_ce_loss",

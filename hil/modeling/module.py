@@ -40,8 +40,8 @@ from pytorch_lightning.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor
 
 from hil.data.datamodule import TrainingDataModule, column_by_column
-from hil.errors import UserError, one_line
 from hil.data.tokenization import ColBERTTokenizer, TokenizedBatch
+from hil.errors import UserError, one_line
 from hil.isotropy.regularizers import Regularizer
 from hil.modeling.batch import RankingBatch
 from hil.modeling.encoder import MultiVectorEncoder

@@ -28,8 +28,6 @@ import logging
 import os
 import re
 import shutil
-import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -39,30 +37,43 @@ import torch
 
 from hil.modeling.contracts import Encoder
 from hil.provenance import StageClock, file_lock, lock_path, provenance, replace_directory, write_json_atomic
+from hil.retrieval import compressed_build
 from hil.retrieval.backends.configs import IndexConfig
 from hil.retrieval.backends.registry import backend_class
-from hil.retrieval import compressed_build
 from hil.retrieval.build_state import CHUNKS_DIR, BuildState
 from hil.retrieval.chunk_codec import ChunkCodec
-from hil.retrieval.chunks import (JOIN_STATE, collect_chunks, encoding_batch_sizes, join_chunks, kill_if_asked,
-                                  store_source_chunks)
+from hil.retrieval.chunks import (
+    JOIN_STATE,
+    collect_chunks,
+    encoding_batch_sizes,
+    join_chunks,
+    kill_if_asked,
+    store_source_chunks,
+)
 from hil.retrieval.compressed_build import CompressedBuild, compressed_as_encoded
+from hil.retrieval.corpus_encoding import CorpusEncoding, check_processes, check_tokenizer_workers, encode_corpus
+from hil.retrieval.devices import autocast, check_precision
 from hil.retrieval.disk_plan import CorpusLengths, check_disk, check_memory, sized_config, stores_token_ids
 from hil.retrieval.encoding import EncodedTokens, eval_mode
-from hil.retrieval.progress import progress_bar
-from hil.retrieval.vector_source import DocumentVectors, EncodedDocuments, VectorSource
-from hil.retrieval.codec import CompressedEmbeddings
-from hil.retrieval.corpus_encoding import (CorpusEncoding, check_processes, check_tokenizer_workers,
-                                          encode_corpus)
-from hil.retrieval.devices import autocast, check_precision
 from hil.retrieval.fast_encode import DOCUMENT_ENCODINGS, document_encoder, document_encoding_key
-from hil.retrieval.index import (DOC_IDS_JSON, INDEX_FORMAT, INDEX_FORMAT_VERSION, INDEX_JSON, IndexMismatchError,
-                                 TokenIndex, embeddings_path, encoder_fingerprint, fingerprint_corpus,
-                                 json_normalized, plaid_paths, seal_index, unfinished_build_dir)
-from hil.errors import UserError
+from hil.retrieval.index import (
+    DOC_IDS_JSON,
+    INDEX_FORMAT,
+    INDEX_FORMAT_VERSION,
+    INDEX_JSON,
+    IndexMismatchError,
+    TokenIndex,
+    embeddings_path,
+    encoder_fingerprint,
+    fingerprint_corpus,
+    json_normalized,
+    seal_index,
+    unfinished_build_dir,
+)
 from hil.retrieval.integrity import IndexIntegrityError, check_verify
-from hil.retrieval.structures import (backend_from, rebuild_faiss, rebuild_search_structures,  # noqa: F401
-                                      write_search_files)
+from hil.retrieval.progress import progress_bar
+from hil.retrieval.structures import backend_from, rebuild_faiss, rebuild_search_structures, write_search_files  # noqa: F401
+from hil.retrieval.vector_source import DocumentVectors, EncodedDocuments, VectorSource
 
 logger = logging.getLogger(__name__)
 

@@ -44,8 +44,14 @@ import torch
 
 from hil.provenance import DIGEST, file_digest, write_json_atomic
 from hil.retrieval.encoding import DocumentEncoder, EncodedTokens, encode_sorted_batches
-from hil.retrieval.index import (DOC_OFFSETS_NPY, INDEX_FORMAT_VERSION, TOKEN_IDS_NPY, embeddings_path,
-                                 json_normalized, save_npy_atomic)
+from hil.retrieval.index import (
+    DOC_OFFSETS_NPY,
+    INDEX_FORMAT_VERSION,
+    TOKEN_IDS_NPY,
+    embeddings_path,
+    json_normalized,
+    save_npy_atomic,
+)
 from hil.retrieval.integrity import check_finite_vectors
 
 if TYPE_CHECKING:

@@ -79,7 +79,8 @@ class ResidualCodec:
         _, centroids = self.device_tables(vectors.device)
         cutoffs = self.__dict__.setdefault("_cutoffs", {})
         if vectors.device not in cutoffs:
-            cutoffs[vectors.device] = torch.from_numpy(np.ascontiguousarray(self.cutoffs, np.float32)).to(vectors.device)
+            cutoffs[vectors.device] = torch.from_numpy(
+                np.ascontiguousarray(self.cutoffs, np.float32)).to(vectors.device)
         edges = cutoffs[vectors.device]
         codes = codes.to(torch.int64)
         packed = torch.empty((len(vectors), self.packed_bytes), dtype=torch.uint8, device=vectors.device)

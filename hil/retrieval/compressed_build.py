@@ -51,8 +51,16 @@ from hil.retrieval.chunks import JOIN_STATE, JoinedTable, collect_chunks, join_t
 from hil.retrieval.codec import ResidualCodec, fit_residual_codec
 from hil.retrieval.index import DOC_IDS_JSON, DOC_OFFSETS_NPY, TOKEN_IDS_NPY, plaid_paths, save_npy_atomic
 from hil.retrieval.kmeans import KMeansEngine, kmeans_engine
-from hil.retrieval.plaid import (IVF_BLOCK_TOKENS, CentroidAssignment, assign_codes, code_dtype, document_blocks,
-                                 sample_rows, train_plaid_centroids, write_ivf)
+from hil.retrieval.plaid import (
+    IVF_BLOCK_TOKENS,
+    CentroidAssignment,
+    assign_codes,
+    code_dtype,
+    document_blocks,
+    sample_rows,
+    train_plaid_centroids,
+    write_ivf,
+)
 from hil.retrieval.progress import progress_bar
 from hil.retrieval.two_level import CentroidGroups
 from hil.retrieval.vector_source import DocumentVectors

@@ -31,8 +31,8 @@ from torch import nn
 
 from hil.modeling.contracts import Encoder
 from hil.modeling.encoder import MultiVectorEncoder
-from hil.retrieval.encoding import DocumentEncoderView
 from hil.retrieval.choices import DOCUMENT_ENCODINGS
+from hil.retrieval.encoding import DocumentEncoderView
 from hil.retrieval.onnx_encode import ONNX_MODES, onnx_document_encoder
 from hil.retrieval.smoothing import DEFAULT_ALPHA, activation_ranges, smooth_backbone
 

@@ -48,12 +48,11 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from hil.modeling.contracts import Encoder
 from hil.errors import UserError
+from hil.modeling.contracts import Encoder
 from hil.provenance import atomic_output, fingerprint_strings, write_json_atomic
 from hil.retrieval.codec import CompressedEmbeddings, ResidualCodec
-from hil.retrieval.integrity import (FILES_KEY, IndexIntegrityError, check_files, load_npy, rebuild_hint,
-                                     record_files)
+from hil.retrieval.integrity import FILES_KEY, IndexIntegrityError, check_files, load_npy, rebuild_hint, record_files
 from hil.retrieval.store import TokenStore, TokenTable
 
 INDEX_FORMAT = "hil-token-index"

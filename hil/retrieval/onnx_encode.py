@@ -51,8 +51,8 @@ from torch import Tensor, nn
 from transformers import PretrainedConfig
 
 from hil.modeling.encoder import MultiVectorEncoder
-from hil.retrieval.encoding import DocumentEncoderView
 from hil.retrieval.choices import QUERY_ENCODINGS
+from hil.retrieval.encoding import DocumentEncoderView
 from hil.retrieval.smoothing import activation_ranges, smooth_backbone
 
 ONNX_MODES = ("onnx", "onnx-int8")

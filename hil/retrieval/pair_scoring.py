@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from hil.modeling.contracts import Encoder, EncodedBatch
+from hil.modeling.contracts import EncodedBatch, Encoder
 from hil.retrieval.device_tokens import device_tokens
 from hil.retrieval.search import score_documents
 from hil.retrieval.store import TokenStore, length_blocks

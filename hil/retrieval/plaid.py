@@ -45,7 +45,6 @@ import torch
 
 from hil.provenance import atomic_output
 from hil.retrieval.backends.configs import ASSIGNMENTS
-
 from hil.retrieval.devices import canonical_device, host_tensor, upload_rows
 from hil.retrieval.index import save_npy_atomic
 from hil.retrieval.kmeans import FAISS_ON_CPU, KMeansEngine, nearest_centroids, spherical_kmeans

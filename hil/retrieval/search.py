@@ -22,8 +22,7 @@ from hil.data.ranking import id_rank, top_k_indices
 from hil.modeling.contracts import EncodedBatch, Encoder
 from hil.retrieval.encoding import encode_document_tokens, eval_mode
 from hil.retrieval.index import TokenIndex
-from hil.retrieval.integrity import (check_finite_queries, check_finite_scores, check_finite_vectors,
-                                     non_finite_scores)
+from hil.retrieval.integrity import check_finite_queries, check_finite_scores, check_finite_vectors, non_finite_scores
 from hil.retrieval.progress import progress_bar
 from hil.retrieval.store import TokenStore, gather_documents, length_blocks
 
@@ -335,7 +334,8 @@ def rerank(encoder: Encoder, index: TokenStore | None, queries: dict[str, str], 
                                                    exclude=self_row(store, qid, skip_self))
                     run[qid] = {store.doc_ids[d]: float(s) for d, s in zip(best_docs.tolist(), best_scores.tolist())}
                 if non_finite:  # documents encoded just now (no index) are the model's output
-                    raise non_finite_scores(non_finite, store_location(index) if index is not None else "the candidates "
+                    raise non_finite_scores(non_finite,
+                                            store_location(index) if index is not None else "the candidates "
                                             "encoded on the fly")
                 timings["score_s"] += time.perf_counter() - tick
                 bar.update(len(batch_qids))

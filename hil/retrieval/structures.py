@@ -23,7 +23,6 @@ from hil.retrieval.index import TokenIndex, plaid_paths, seal_index
 from hil.retrieval.progress import progress_bar
 from hil.retrieval.store import TokenTable
 
-
 # -- search structures ------------------------------------------------------------------------------------------
 
 def backend_from(backend: str | IndexConfig = "flat", faiss_kind: str | None = None,

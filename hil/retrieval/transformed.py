@@ -21,15 +21,13 @@ Choices (where the papers leave room):
   covariance using ... the source data"): up to ``max_tokens`` (default 200,000) tokens sampled uniformly from
   the stored index, or, without an index, from encoding a sample of documents. Queries are transformed with the
   same parameters; their own distribution (with ``[MASK]`` augmentation tokens) is not used for fitting.
-- **Token-wise vs sequence-wise** (000 Section 4.1.1): ``mode="token"`` fits on individual token vectors;
-  ``mode="sequence"`` on one mean-pooled vector per sampled document. The fitted transform maps individual token
-  vectors either way (ColBERT's scores need them).
-- **Renormalization.** The last step L2-normalizes its output (``fit_transform_from_config``'s default), so the
-  late-interaction score stays a sum of cosines, as 000 cascades "an aggregator that performs the cosine
-  similarity". Masked positions stay exactly 0.
-- **Scoring** is the wrapped encoder's own ``score`` / ``score_pairs`` on the transformed vectors. For HIL its
-  running z-score statistics were estimated on untransformed vectors; after a transform they no longer
-  standardize the head scores, so the sum ``L + H`` then weighs each head by its new spread (not re-estimated).
+- **Token-wise vs sequence-wise** (000 Section 4.1.1): ``mode="token"`` fits on token vectors, ``"sequence"`` on
+  one mean-pooled vector per sampled document; either way it maps token vectors (ColBERT's scores need them).
+- **Renormalization.** The last step L2-normalizes (``fit_transform_from_config``'s default): the score stays a sum
+  of cosines, 000's "aggregator that performs the cosine similarity". Masked positions stay exactly 0.
+- **Scoring** is the wrapped encoder's own ``score`` / ``score_pairs`` on the transformed vectors. HIL's running
+  z-score statistics, estimated on untransformed vectors, no longer standardize the head scores after a transform:
+  ``L + H`` then weighs each head by its new spread (not re-estimated).
 - **A derived index** holds the base index's stored (fp16) vectors transformed block by block, instead of
   encoding the corpus again: the same result up to fp16 rounding of the transform's input. Its ``index.json``
   records the transform and the base index it came from; the fitted parameters are saved beside it as
@@ -59,8 +57,18 @@ from hil.provenance import file_lock, lock_path, provenance, replace_directory, 
 from hil.retrieval.backends.configs import FlatIndexConfig, IndexConfig
 from hil.retrieval.builder import backend_from, rebuild_search_structures, same_search_structures
 from hil.retrieval.encoding import encode_document_tokens, eval_mode
-from hil.retrieval.index import (DOC_IDS_JSON, DOC_OFFSETS_NPY, INDEX_FORMAT, INDEX_FORMAT_VERSION, INDEX_JSON,
-                                 TOKEN_IDS_NPY, TokenIndex, encoder_fingerprint, save_npy_atomic, seal_index)
+from hil.retrieval.index import (
+    DOC_IDS_JSON,
+    DOC_OFFSETS_NPY,
+    INDEX_FORMAT,
+    INDEX_FORMAT_VERSION,
+    INDEX_JSON,
+    TOKEN_IDS_NPY,
+    TokenIndex,
+    encoder_fingerprint,
+    save_npy_atomic,
+    seal_index,
+)
 from hil.retrieval.integrity import check_finite_vectors
 from hil.retrieval.store import TokenStore
 

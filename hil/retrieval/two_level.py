@@ -34,7 +34,8 @@ nearest_centroids` and FAISS's ``IndexFlatIP``). This is an IVF search (FAISS ``
 inverted lists hold centroids. Per block of rows the (row, group) probes are sorted by group and each group is one
 matrix product of the rows probing it against its members (contiguous in a reordered copy of the centroids): G
 products per block, no per-point work. A larger ``nprobe`` probes a superset of groups (``topk`` of k + 1
-contains ``topk`` of k, ties among group scores aside), so agreement with exact assignment can only grow with it; ``nprobe >= G`` is exact.
+contains ``topk`` of k, ties among group scores aside), so agreement with exact assignment can only grow with it;
+``nprobe >= G`` is exact.
 
 Rounding: every product is fp32 at full precision (:func:`~hil.retrieval.kmeans.full_precision_matmul`), the
 points widened from their stored dtype block by block. MKL (torch's CPU BLAS here) computes a matrix product with
@@ -55,8 +56,15 @@ import numpy as np
 import torch
 
 from hil.retrieval.devices import host_tensor
-from hil.retrieval.kmeans import (SCORE_BLOCK_ELEMENTS, cluster_means, full_precision_matmul, l2_normalized,
-                                  nearest_centroids, spherical_kmeans, split_empty_clusters)
+from hil.retrieval.kmeans import (
+    SCORE_BLOCK_ELEMENTS,
+    cluster_means,
+    full_precision_matmul,
+    l2_normalized,
+    nearest_centroids,
+    spherical_kmeans,
+    split_empty_clusters,
+)
 
 # Both sides of every product padded to this many rows: MKL's kernels below it round differently (module docstring).
 MIN_PRODUCT_SIDE = 16

@@ -1,6 +1,7 @@
 """The interface every search back-end implements: its settings and files when building, its candidates when searching.
 
-Full ranking (:func:`hil.retrieval.full_ranking.full_rank`) is two steps: a back-end proposes *candidates* for each query
+Full ranking (:func:`hil.retrieval.full_ranking.full_rank`) is two steps: a back-end proposes *candidates* for each
+query
 (cheap, approximate), then every candidate is scored exactly by the encoder over the stored vectors. A back-end
 therefore only answers "which documents are worth scoring, and which head proposed each"; it never ranks.
 

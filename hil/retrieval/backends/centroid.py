@@ -27,8 +27,15 @@ from hil.retrieval.codec import NBITS, CompressedEmbeddings, ResidualCodec, fit_
 from hil.retrieval.index import DOC_OFFSETS_NPY, embeddings_path, plaid_paths, save_npy_atomic
 from hil.retrieval.integrity import check_finite_vectors, load_npy, rebuild_hint
 from hil.retrieval.kmeans import kmeans_engine
-from hil.retrieval.plaid import (CentroidPlan, assign_codes, code_dtype, default_n_centroids, sample_rows,
-                                 train_plaid_centroids, write_ivf)
+from hil.retrieval.plaid import (
+    CentroidPlan,
+    assign_codes,
+    code_dtype,
+    default_n_centroids,
+    sample_rows,
+    train_plaid_centroids,
+    write_ivf,
+)
 from hil.retrieval.plaid_search import plaid_pairs
 from hil.retrieval.store import TokenTable
 

@@ -150,8 +150,8 @@ class PlaidIndexConfig(IndexConfig):
     assigned among the members of its ``assignment_nprobe`` nearest coarse groups: ~sqrt(C) scores per group
     instead of C), or ``auto`` (default: ``two-level`` on a CPU build with at least
     ``hil.retrieval.backends.centroid.TWO_LEVEL_MIN_CENTROIDS`` centroids, where exact assignment would take
-    hours to days; ``exact`` on a GPU and below that size). ``assignment_nprobe`` None (or ``auto``) takes the measured default.
-    Both are recorded as resolved; ``auto`` accepts an index assigned either way.
+    hours to days; ``exact`` on a GPU and below that size). ``assignment_nprobe`` None (or ``auto``) takes the measured
+    default. Both are recorded as resolved; ``auto`` accepts an index assigned either way.
 
     A compressed-only index (``residual_bits`` with ``keep_embeddings=False``) is built compressed as it is encoded
     (:mod:`hil.retrieval.compressed_build`): its centroids and buckets come from a sample of the corpus, drawn

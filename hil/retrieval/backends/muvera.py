@@ -16,8 +16,8 @@ head's corpus tokens, ``whiten`` then multiplies by ``(Sigma + lambda I)^-1/2`` 
 root, which keeps the axes; ``lambda`` = :data:`WHITEN_RIDGE` times the mean eigenvalue, so directions without
 variance are not blown up); the result is L2-normalized (Theorem 2.1 is for unit vectors; 000 likewise scores
 transformed vectors by cosine). Mean and covariance are those of every stored token of the head (float64,
-:class:`~hil.isotropy.linear_transforms.MomentAccumulator`). The transform applies to query tokens too, and only to the FDEs: exact scoring reads the
-stored, untransformed vectors.
+:class:`~hil.isotropy.linear_transforms.MomentAccumulator`). The transform applies to query tokens too,
+and only to the FDEs: exact scoring reads the stored, untransformed vectors.
 
 Search: each head's query FDEs (computed where the query vectors are) retrieve that head's ``n_candidates`` best
 documents from its FAISS index, and the union over heads, with which head proposed each, goes to exact scoring.

@@ -8,17 +8,19 @@ registers itself when it is defined (this module imports the built-in ones; thei
 
 from __future__ import annotations
 
-import torch
-
 from typing import Any
 
+import torch
+
 from hil.errors import UserError
-from hil.retrieval.backends import token_ann  # noqa: F401,I001  (defining them registers them; flat, ivf* first)
-from hil.retrieval.backends import centroid, muvera  # noqa: F401
+from hil.retrieval.backends import (  # noqa: F401
+    centroid,
+    muvera,
+    token_ann,  # noqa: F401,I001  (defining them registers them; flat, ivf* first)
+)
 from hil.retrieval.backends.base import BACKENDS, SearchBackend
 from hil.retrieval.backends.configs import SearchConfig
 from hil.retrieval.index import TokenIndex
-
 
 # The built-in kinds in the order every list shows them, whichever module happened to be imported first (a module
 # importing centroid.py directly registers plaid before flat); back-ends defined elsewhere follow, as registered.

@@ -29,8 +29,14 @@ from hil.errors import UserError
 from hil.modeling.contracts import EncodedBatch
 from hil.provenance import atomic_output
 from hil.retrieval.backends.base import Candidates, SearchBackend
-from hil.retrieval.backends.configs import (FlatIndexConfig, FlatSearchConfig, IndexConfig, IvfFlatIndexConfig,
-                                            IvfPqIndexConfig, IvfSearchConfig)
+from hil.retrieval.backends.configs import (
+    FlatIndexConfig,
+    FlatSearchConfig,
+    IndexConfig,
+    IvfFlatIndexConfig,
+    IvfPqIndexConfig,
+    IvfSearchConfig,
+)
 from hil.retrieval.codec import ResidualCodec
 from hil.retrieval.device_tokens import device_tokens
 from hil.retrieval.devices import faiss_gpu_count
