@@ -19,6 +19,7 @@ import functools
 import os
 import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, NoReturn, Sequence
 
@@ -177,6 +178,94 @@ class CommandParser(OneLineErrors, ArgumentParser):
             if not isinstance(value := parsed.get(flag), bool):
                 self.error(f"Option '{flag}' is a flag: true or false (got {value!r})")
         return parsed
+
+
+@dataclass(frozen=True)
+class Renamed:
+    """An old spelling of a settings parser's option (``--out``), kept for a release (a row of
+    :data:`hil.compat.SHIMS`): read as ``new`` with a deprecation line; ``split``: its value was a comma-separated
+    list, now the repeated option (``--models a=x,b=y`` -> ``--model a=x --model b=y``)."""
+
+    new: str
+    split: bool = False
+
+
+TRUTH_VALUES = ("true", "false", "True", "False")
+
+
+class SettingsParser(CommandParser):
+    """The parser of a command whose options are the fields of one settings dataclass (``add_class_arguments``,
+    each field's text from the class docstring's ``Args:``), as ``hil evaluate`` parses ``Experiment``: a ``bool``
+    field is also a bare flag (``--quiet`` is ``--quiet true``), a list field is repeatable (``--model a --model
+    b``, accumulating over ``--config`` files as ``--model+``), the leading words of the command line fill the
+    ``positional`` fields in order, and each old spelling of ``renamed`` still works with a deprecation line.
+    :meth:`settings` makes the dataclass, whose errors name keys in backquotes, shown as options."""
+
+    def __init__(self, settings: type, *args: Any, renamed: dict[str, Renamed] | None = None,
+                 positional: Sequence[str] = (), **kwargs: Any) -> None:
+        import dataclasses
+        import typing
+
+        super().__init__(*args, **kwargs)
+        self.settings_class = settings
+        self.add_class_arguments(settings, nested_key=None, fail_untyped=False)
+        hints = typing.get_type_hints(settings)
+        names = [field.name for field in dataclasses.fields(settings)]
+        self.bare_flags = {name for name in names if hints[name] is bool}
+        self.repeatable = {name for name in names if typing.get_origin(hints[name]) is list}
+        self.renamed = {old.lstrip("-").replace("-", "_"): spelling for old, spelling in (renamed or {}).items()}
+        self.positional = tuple(positional)
+
+    def respelled(self, argv: Sequence[str]) -> list[str]:
+        """``argv`` in the parser's own spelling (the class docstring)."""
+        argv, out = list(argv), []
+        for key in self.positional:  # leading words, before any option
+            if argv and not argv[0].startswith("-"):
+                out += [f"--{key}", argv.pop(0)]
+        i = 0
+        while i < len(argv):
+            arg = argv[i]
+            name, equals, value = arg.partition("=")
+            key = name[2:].replace("-", "_") if name.startswith("--") else None
+            spelling = self.renamed.get(key) if key else None
+            if spelling is not None:
+                sys.stderr.write(f"{self.prog}: warning: {name} is deprecated, use --{spelling.new} (removed in the "
+                                 f"release hil.compat lists)\n")
+                if not equals and i + 1 < len(argv):
+                    value, i = argv[i + 1], i + 1
+                values = [part for part in value.split(",") if part] if spelling.split else [value]
+                argv[i + 1:i + 1] = [item for part in values for item in (f"--{spelling.new}", part)]
+                i += 1
+                continue
+            nxt = argv[i + 1] if i + 1 < len(argv) else None
+            if key in self.bare_flags and not equals and (nxt is None or nxt not in TRUTH_VALUES):
+                out.append(f"--{key}=true")
+            elif key in self.repeatable and not (value if equals else (nxt or "")).startswith("["):
+                out.append(f"--{key}+" + (f"={value}" if equals else ""))
+            else:
+                out.append(arg)
+            i += 1
+        return out
+
+    def parse_args(self, args: Sequence[str] | None = None, *rest: Any, **kwargs: Any) -> Any:
+        return super().parse_args(self.respelled(sys.argv[1:] if args is None else args), *rest, **kwargs)
+
+    def settings(self, parsed: Any) -> Any:
+        """The settings dataclass of a parsed command line; a refused setting's key is named as the option."""
+        values = namespace_dict(parsed)
+        return as_options(lambda: self.settings_class(**values))
+
+
+def as_options(work: Callable[[], Any]) -> Any:
+    """``work()``, with the keys a :class:`~hil.errors.UserError` names in backquotes (```nway```: the settings'
+    spelling, below the command line) shown as the options they are (``--nway``)."""
+    from hil.errors import UserError
+
+    try:
+        return work()
+    except UserError as error:
+        error.args = (re.sub(r"`(\w+)`", r"--\1", str(error)), *error.args[1:])
+        raise
 
 
 def module_doc(module: str) -> tuple[str, str]:

@@ -37,7 +37,6 @@ A user error (an option, a file, a line, a model) is one line, ``<prog>: error: 
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -57,7 +56,7 @@ from hil.errors import MissingInputError, UserError
 from hil.evaluation.evaluate import EvaluationSettings, document_store
 from hil.evaluation.runs import ranked
 from hil.experiments.teacher_models import Teacher, load_teacher
-from hil.experiments.teacher_settings import output_files
+from hil.experiments.teacher_settings import TeacherSettings, output_files
 from hil.modeling.loading import load_encoder
 from hil.paths import resolve_data_file
 from hil.provenance import atomic_output, provenance
@@ -66,32 +65,16 @@ from hil.retrieval.full_ranking import full_rank
 from hil.retrieval.progress import progress_bar
 from hil.retrieval.search import exact_rank
 
-POSITIVE_OPTIONS = ("depth", "batch_size", "max_queries", "max_length", "relevance_level")
 _LINE_BREAKS = str.maketrans({"\n": " ", "\r": " "})
 
 
-def check_arguments(args: argparse.Namespace) -> torch.device:
-    """Refuse options that cannot work, naming them; -> the device."""
-    for option in POSITIVE_OPTIONS:
-        value = getattr(args, option)
-        if value is not None and value < 1:
-            raise UserError(f"--{option.replace('_', '-')} must be >= 1 (got {value})")
-    if args.nway < 2:
-        raise UserError(f"--nway must be >= 2 (got {args.nway})")
-    if args.nway > args.depth + (args.positives == "first"):
-        raise UserError(f"--nway {args.nway} is more than the --depth {args.depth} candidates mined")
-    if (args.dataset is None) == (args.queries is None):
-        raise UserError("give --dataset, or --queries with --collection")
-    if args.queries is not None and args.collection is None:
-        raise UserError("--queries needs --collection")
-    if args.dataset is not None and (args.collection or args.qrels):
-        raise UserError("--dataset brings its corpus and qrels: --collection and --qrels go with --queries")
-    if args.positives == "first" and args.dataset is None and args.qrels is None:
-        raise UserError("--positives first needs judgments: --qrels (or a --dataset's)")
+def check_device(settings: TeacherSettings) -> torch.device:
+    """The device ``settings.device`` names (the other settings were checked when they were made); a bad name is
+    refused naming the setting."""
     try:
-        return resolve_device(args.device)
+        return resolve_device(settings.device)
     except ValueError as error:
-        raise UserError(f"--device: {error}") from None
+        raise UserError(f"`device`: {error}") from None
 
 
 @dataclass
@@ -107,14 +90,14 @@ class Inputs:
     empty_documents: int
 
 
-def _file(option: str, value: str, data_dir: str | None) -> Path:
+def _file(key: str, value: str, data_dir: str | None) -> Path:
     try:
         return resolve_data_file(value, data_dir)
     except FileNotFoundError as error:
-        raise MissingInputError(f"--{option}: {error}") from None
+        raise MissingInputError(f"`{key}`: {error}") from None
 
 
-def load_inputs(args: argparse.Namespace) -> Inputs:
+def load_inputs(args: TeacherSettings) -> Inputs:
     if args.dataset is not None:
         dataset = load_beir(args.dataset, split=args.split, data_dir=args.data_dir, judged_outside_corpus="keep")
         queries, texts = dataset.queries, {pid: dataset.doc_text(pid) for pid in dataset.corpus}
@@ -139,8 +122,8 @@ def load_inputs(args: argparse.Namespace) -> Inputs:
 
 # -- mining --------------------------------------------------------------------------------------------------------
 
-def mine(args: argparse.Namespace, inputs: Inputs, device: torch.device) -> tuple[dict[str, list[str]], dict]:
-    """Each query's ``--depth`` best candidates, best first, and what mined them."""
+def mine(args: TeacherSettings, inputs: Inputs, device: torch.device) -> tuple[dict[str, list[str]], dict]:
+    """Each query's ``depth`` best candidates, best first, and what mined them."""
     depth = args.depth + (1 if inputs.is_beir else 0)  # room for a self match dropped below
     qids = list(inputs.queries)
     if args.miner == "bm25":
@@ -207,7 +190,7 @@ def example_line(fmt: str, qid: str, pairs: list[tuple[str, float]]) -> str:
     return "".join(f"{qid} Q0 {pid} {rank} {score!r} teacher\n" for rank, (pid, score) in enumerate(pairs, 1))
 
 
-def write_outputs(args: argparse.Namespace, inputs: Inputs, lines: dict[str, list[tuple[str, float]]],
+def write_outputs(args: TeacherSettings, inputs: Inputs, lines: dict[str, list[tuple[str, float]]],
                   record: dict[str, Any]) -> dict[str, str]:
     """Every output through :func:`atomic_output`, renamed into place together at the end (an error leaves none)."""
     files = output_files(args.output, inputs.is_beir)
@@ -229,15 +212,17 @@ def write_outputs(args: argparse.Namespace, inputs: Inputs, lines: dict[str, lis
     return record["files"]
 
 
-def settings_record(args: argparse.Namespace) -> dict[str, Any]:
+def settings_record(args: TeacherSettings) -> dict[str, Any]:
     names = ("queries", "collection", "dataset", "split", "qrels", "positives", "relevance_level", "miner",
              "index_root", "depth", "nway", "teacher", "teacher_kind", "batch_size", "max_length", "max_queries",
              "format", "output", "device")
     return {name: getattr(args, name) for name in names}
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    device = check_arguments(args)
+def run(args: TeacherSettings) -> dict[str, Any]:
+    """The examples ``args`` asks for, written (module docstring); -> the record written beside them. A user error
+    names the setting in backquotes (``nway``), which ``hil teacher`` shows as its option."""
+    device = check_device(args)
     inputs = load_inputs(args)
     if not inputs.queries:
         raise UserError("no queries to mine for")
@@ -273,7 +258,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             lines[qid] = line
     if not lines:
         raise UserError(f"no query has {args.nway} candidates{' and a judged positive' * (args.positives == 'first')}"
-                        f" (lower --nway, or raise --depth)")
+                        f" (lower `nway`, or raise `depth`)")
     counts = {"queries": len(inputs.queries), "written": len(lines), "left_out": len(inputs.queries) - len(lines),
               "without_positive": sum(p is None for p in positives.values()) if args.positives == "first" else 0,
               "empty_documents_left_out": inputs.empty_documents,

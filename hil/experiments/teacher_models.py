@@ -91,8 +91,8 @@ def teacher_kind(source: str, kind: str) -> str:
     architectures = json.loads((directory / "config.json").read_text(encoding="utf-8")).get("architectures") or []
     if any(name.endswith("ForSequenceClassification") for name in architectures):
         return "cross-encoder"
-    raise UserError(f"--teacher {source}: a bare backbone ({', '.join(architectures) or 'no architecture'}); say "
-                    f"what it is with --teacher-kind dense or cross-encoder (colbert would add an untrained head)")
+    raise UserError(f"`teacher` {source}: a bare backbone ({', '.join(architectures) or 'no architecture'}); say "
+                    f"what it is with `teacher_kind` dense or cross-encoder (colbert would add an untrained head)")
 
 
 class ColBERTTeacher:
@@ -137,7 +137,7 @@ def _hugging_face(source: str, what: str):
     try:
         return directory, AutoTokenizer.from_pretrained(str(directory))
     except (OSError, ValueError) as error:
-        raise UserError(f"--teacher {source}: cannot load its tokenizer as a {what} ({error})") from None
+        raise UserError(f"`teacher` {source}: cannot load its tokenizer as a {what} ({error})") from None
 
 
 def _max_length(tokenizer, max_length: int | None, directory: Path | None = None) -> int:
@@ -167,10 +167,10 @@ class CrossEncoderTeacher:
         try:
             self.model = AutoModelForSequenceClassification.from_pretrained(str(directory)).to(device).eval()
         except (OSError, ValueError) as error:
-            raise UserError(f"--teacher {source}: not a sequence classifier ({error})") from None
+            raise UserError(f"`teacher` {source}: not a sequence classifier ({error})") from None
         self.labels = int(self.model.config.num_labels)
         if self.labels not in (1, 2):
-            raise UserError(f"--teacher {source}: {self.labels} labels; a cross-encoder teacher has 1 (a relevance "
+            raise UserError(f"`teacher` {source}: {self.labels} labels; a cross-encoder teacher has 1 (a relevance "
                             f"logit) or 2 (not relevant, relevant)")
         self.max_length = _max_length(self.tokenizer, max_length, directory)
 
@@ -222,7 +222,7 @@ class DenseTeacher:
         try:
             self.model = AutoModel.from_pretrained(str(directory)).to(device).eval()
         except (OSError, ValueError) as error:
-            raise UserError(f"--teacher {source}: cannot load it as an encoder ({error})") from None
+            raise UserError(f"`teacher` {source}: cannot load it as an encoder ({error})") from None
         self.max_length = _max_length(self.tokenizer, max_length, directory)
         # passage text -> its vector, least recently used first: one encoder pass per distinct passage of the run
         self.passages: dict[str, torch.Tensor] = {}

@@ -1,0 +1,75 @@
+"""Every tool command parses a typed settings dataclass (issue 39, item 1): ``hil teacher``, ``engines``, ``share``
+and ``paper`` build their parsers from the dataclass's fields (no hand-declared option), ``--print_config`` fed
+back with ``--config`` is the same settings (an equal dataclass), a ``bool`` field is also a bare flag, the old
+spellings still work with one deprecation line each (listed in :data:`hil.compat.SHIMS`), and the settings' own
+checks name their keys, which the command shows as options."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from pathlib import Path
+
+import pytest
+
+from hil.cli.parsers import SettingsParser
+
+ROOT = Path(__file__).resolve().parents[1]
+
+COMMANDS = {  # command -> a command line that resolves (nothing is run)
+    "teacher": ["--dataset", "scifact", "--teacher", "t", "--output", "o.jsonl", "--nway", "4", "--depth", "9",
+                "--quiet", "--teacher_kind", "dense"],
+}
+
+
+def settings_of(command: str, argv: list[str]):
+    parser = importlib.import_module(f"hil.cli.{command}").build_parser()
+    return parser.settings(parser.parse_args(argv))
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_print_config_fed_back_is_the_same_settings(command, tmp_path, capsys):
+    module = importlib.import_module(f"hil.cli.{command}")
+    assert module.main([*COMMANDS[command], "--print_config"]) == 0
+    path = tmp_path / "settings.yaml"
+    path.write_text(capsys.readouterr().out)
+    given, read_back = settings_of(command, COMMANDS[command]), settings_of(command, ["--config", str(path)])
+    assert type(given).__name__.endswith("Settings") and read_back == given
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_no_option_is_declared_by_hand(command):
+    """The command's parser is its settings' (a SettingsParser); its module calls no ``add_argument``."""
+    module = importlib.import_module(f"hil.cli.{command}")
+    assert isinstance(module.build_parser(), SettingsParser)
+    calls = [node for node in ast.walk(ast.parse(Path(module.__file__).read_text(encoding="utf-8")))
+             if isinstance(node, ast.Attribute) and node.attr == "add_argument"]
+    assert not calls, command
+
+
+def test_a_bool_setting_is_a_bare_flag_or_takes_a_truth_value():
+    base = ["--dataset", "d", "--teacher", "t", "--output", "o"]
+    assert settings_of("teacher", [*base, "--quiet", "--overwrite"]).quiet is True
+    assert settings_of("teacher", [*base, "--quiet", "false", "--overwrite", "true"]).quiet is False
+    assert settings_of("teacher", [*base, "--quiet=false"]).quiet is False
+    assert settings_of("teacher", base).quiet is False
+
+
+def test_teacher_settings_are_checked_naming_the_key_and_the_command_shows_the_option(capsys):
+    from hil.errors import UserError
+    from hil.experiments.teacher_settings import TeacherSettings
+
+    with pytest.raises(UserError, match=r"^`nway` must be >= 2 \(got 1\)$"):
+        TeacherSettings(teacher="t", output="o", dataset="d", nway=1)
+    with pytest.raises(UserError, match="`queries` needs `collection`"):
+        TeacherSettings(teacher="t", output="o", queries="q.tsv")
+    from hil.cli.teacher import main
+
+    assert main(["--dataset", "d", "--teacher", "t", "--output", "o", "--nway", "1"]) == 2
+    assert capsys.readouterr().err.strip() == "hil teacher: error: --nway must be >= 2 (got 1)"
+
+
+def test_the_teacher_run_takes_its_settings_not_a_namespace():
+    """Nothing below hil/cli takes an argparse.Namespace (the teacher's run once did)."""
+    for module in ("hil/experiments/teacher.py", "hil/experiments/teacher_settings.py"):
+        assert "argparse" not in (ROOT / module).read_text(encoding="utf-8"), module
