@@ -43,6 +43,10 @@ SHIMS = (
     Shim("faiss_settings = backend_settings", "hil/retrieval/index.py", "TokenIndex.backend_settings", "0.3.0"),
     Shim("TrainingLoss = Term", "hil/modeling/terms.py", "hil.modeling.terms.Term", "0.3.0"),
     Shim('name == "TriplesDataModule"', "hil/data/datamodule.py", "hil.data.datamodule.TrainingDataModule", "0.3.0"),
+    # spellings of 0.2 (issue 39: one name per idea across the commands, as hil evaluate spells them)
+    Shim("--models", "hil/cli/engines.py", "--model NAME=PATH, repeated", "0.4.0"),
+    Shim("--out", "hil/cli/engines.py", "--output", "0.4.0"),
+    Shim("--n_bootstrap", "hil/cli/engines.py", "--bootstrap_samples", "0.4.0"),
     # module moves of 0.2 (the user-facing errors at the bottom layer; the command lines in hil.cli)
     Shim("from hil.errors import *", "hil/data/errors.py", "hil.errors", "0.3.0"),
     Shim("from hil.cli.main import main", "hil/console.py", "hil.cli.main (a hil script installed before 0.2)",
@@ -54,7 +58,7 @@ SHIMS = (
          None),
     Shim("written before hil recorded file sizes", "hil/retrieval/integrity.py",
          "index.json's file records (older indexes open unverified, with a warning)", None),
-    Shim("identities made before it existed", "hil/evaluation/runner.py",
+    Shim("identities made before it existed", "hil/evaluation/identity.py",
          "query_encoding in a column's identity only when set", None),
     Shim("written before adjusted p-values existed", "hil/experiments/report.py",
          "results without adjusted p-values read as unadjusted", None),

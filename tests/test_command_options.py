@@ -17,7 +17,7 @@ COMMANDS = {  # command -> the options it needs to resolve
     "paper": ["--profile", "smoke", "--variants", "colbert,hil"],
     "analyze": ["--model", "m", "--dataset", "scifact", "--output", "out", "--backend", "plaid"],
     "teacher": ["--dataset", "scifact", "--teacher", "t", "--output", "o.jsonl"],
-    "engines": ["--models", "a=x,b=y", "--dataset", "scifact", "--output", "o"],
+    "engines": ["--model", "a=x", "--model", "b=y", "--dataset", "scifact", "--output", "o"],
     "share": ["runs/a/export", "me/model", "--card-only"],
 }
 

@@ -19,6 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 COMMANDS = {  # command -> a command line that resolves (nothing is run)
     "teacher": ["--dataset", "scifact", "--teacher", "t", "--output", "o.jsonl", "--nway", "4", "--depth", "9",
                 "--quiet", "--teacher_kind", "dense"],
+    "engines": ["--model", "a=x", "--model", "b@2=y", "--dataset", "scifact", "--output", "o", "--depth", "50",
+                "--bootstrap_samples", "20"],
 }
 
 
@@ -73,3 +75,32 @@ def test_the_teacher_run_takes_its_settings_not_a_namespace():
     """Nothing below hil/cli takes an argparse.Namespace (the teacher's run once did)."""
     for module in ("hil/experiments/teacher.py", "hil/experiments/teacher_settings.py"):
         assert "argparse" not in (ROOT / module).read_text(encoding="utf-8"), module
+
+
+def test_the_engine_study_old_spellings_still_work_with_a_deprecation_line(capsys):
+    """``--models a=x,b=y``, ``--out`` and ``--n-bootstrap`` (0.2's spellings) are the study ``--model`` (repeated),
+    ``--output`` and ``--bootstrap_samples`` give, each with one warning line, and each a row of hil.compat."""
+    from hil.compat import SHIMS
+
+    old = settings_of("engines", ["--models", "a=x,b@2=y", "--dataset", "scifact", "--out", "o", "--n-bootstrap",
+                                  "20", "--depth", "50"])
+    warned = capsys.readouterr().err.splitlines()
+    assert old == settings_of("engines", COMMANDS["engines"])
+    assert [line.split(" is deprecated")[0] for line in warned] == [
+        "hil engines: warning: --models", "hil engines: warning: --out", "hil engines: warning: --n-bootstrap"]
+    assert all("removed in 0.4.0" in line for line in warned)
+    listed = {(shim.old, shim.new.split()[0]) for shim in SHIMS if shim.module == "hil/cli/engines.py"}
+    assert listed == {("--models", "--model"), ("--out", "--output"), ("--n_bootstrap", "--bootstrap_samples")}
+
+
+def test_engine_study_models_are_read_once_and_refused_naming_the_option(capsys):
+    settings = settings_of("engines", COMMANDS["engines"])
+    assert [(spec.column, spec.seed, spec.source) for spec in settings.models()] == [
+        ("a", None, "x"), ("b (seed 2)", 2, "y")]
+    from hil.cli.engines import main
+
+    assert main(["--model", "ax", "--dataset", "scifact", "--output", "o"]) == 2
+    assert capsys.readouterr().err.strip() == \
+        "hil engines: error: --model: name=path or name@seed=path expected, got 'ax'"
+    assert main(["--model", "a=x", "--dataset", "scifact", "--output", "o", "--max_tokens", "1"]) == 2
+    assert "--max_tokens must be >= 2" in capsys.readouterr().err

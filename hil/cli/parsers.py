@@ -188,6 +188,7 @@ class Renamed:
 
     new: str
     split: bool = False
+    removed_in: str = "0.4.0"
 
 
 TRUTH_VALUES = ("true", "false", "True", "False")
@@ -229,8 +230,9 @@ class SettingsParser(CommandParser):
             key = name[2:].replace("-", "_") if name.startswith("--") else None
             spelling = self.renamed.get(key) if key else None
             if spelling is not None:
-                sys.stderr.write(f"{self.prog}: warning: {name} is deprecated, use --{spelling.new} (removed in the "
-                                 f"release hil.compat lists)\n")
+                once = " once per value" if spelling.split else ""
+                sys.stderr.write(f"{self.prog}: warning: {name} is deprecated (removed in {spelling.removed_in}): use "
+                                 f"--{spelling.new}{once}\n")
                 if not equals and i + 1 < len(argv):
                     value, i = argv[i + 1], i + 1
                 values = [part for part in value.split(",") if part] if spelling.split else [value]

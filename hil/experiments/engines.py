@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from hil.analysis.similarity import isotropy_scores
-from hil.data.beir import BeirDataset
+from hil.data.beir import BeirDataset, load_beir
 from hil.data.ranking import id_rank, top_k_indices
 from hil.errors import UserError
 from hil.evaluation.evaluate import EvaluationSettings, document_store, evaluate
@@ -46,6 +46,7 @@ from hil.evaluation.experiment import ModelSpec
 from hil.evaluation.runner import load_model
 from hil.evaluation.statistics import bootstrap_ci
 from hil.evaluation.tables import fmt, markdown_table
+from hil.experiments.engines_settings import EngineStudySettings, model_spec
 from hil.isotropy.metrics import effective_rank
 from hil.modeling.contracts import Encoder
 from hil.provenance import provenance, write_json_atomic, write_text_atomic
@@ -170,9 +171,9 @@ def engine_study(models: Sequence[ModelSpec], dataset: BeirDataset, out: Path, *
     columns = [spec.column for spec in models]
     trainings = [(spec.method, spec.seed) for spec in models if spec.seed is not None]
     if len(set(trainings)) != len(trainings):
-        raise UserError("--models: one method has the same seed twice")
+        raise UserError("`model`: one method has the same seed twice")
     if len(set(columns)) != len(columns):
-        raise UserError(f"--models: two models share a name ({sorted(c for c in columns if columns.count(c) > 1)[0]})")
+        raise UserError(f"`model`: two models share a name ({sorted(c for c in columns if columns.count(c) > 1)[0]})")
     settings = settings or EvaluationSettings(progress=False)
     settings = replace(settings, mode="full", index_root=str(index_root), metrics=(METRIC,))
     study = {"dataset": dataset.name, "dataset_fingerprint": dataset.fingerprint(), "depth": depth,
@@ -203,6 +204,17 @@ def engine_study(models: Sequence[ModelSpec], dataset: BeirDataset, out: Path, *
     figure = plot_isotropy_recall(record, out / "engines_isotropy.png")
     write_text_atomic(out / "engines.md", "\n".join(engine_lines(record, figure.name)) + "\n")
     return record
+
+
+def run_study(settings: EngineStudySettings, command: str = "") -> dict[str, Any]:
+    """The study ``settings`` describe (``hil engines``): its dataset loaded and sliced, then :func:`engine_study`
+    with the default engines. -> the record."""
+    dataset = load_beir(settings.dataset)
+    if settings.max_queries or settings.max_docs:
+        dataset = dataset.subset(settings.max_queries, settings.max_docs, seed=settings.seed)
+    return engine_study(settings.models(), dataset, Path(settings.output), depth=settings.depth,
+                        index_root=settings.index_root, max_tokens=settings.max_tokens,
+                        n_bootstrap=settings.bootstrap_samples, seed=settings.seed, command=command)
 
 
 def study_record(study: Mapping[str, Any], dataset: BeirDataset, records: Mapping[str, Any],
@@ -347,15 +359,6 @@ def _ci(value: Mapping[str, float]) -> str:
 
 
 def model_specs(text: str) -> list[ModelSpec]:
-    """``name=path`` or ``name@seed=path`` (one training of the method ``name``), comma-separated."""
-    specs = []
-    for part in filter(None, text.split(",")):
-        name, sep, path = part.partition("=")
-        method, at, seed_text = name.partition("@")
-        if not sep or not method or not path or (at and not seed_text.isdigit()):
-            raise UserError(f"--models: name=path or name@seed=path expected, got {part!r}")
-        if at:
-            specs.append(ModelSpec(path, name=f"{method} (seed {seed_text})", seed=int(seed_text), method=method))
-        else:
-            specs.append(ModelSpec(path, name=method))
-    return specs
+    """``name=path`` or ``name@seed=path`` (one training of the method ``name``), comma-separated
+    (:func:`hil.experiments.engines_settings.model_spec` reads each)."""
+    return [model_spec(part) for part in filter(None, text.split(","))]
