@@ -21,6 +21,7 @@ COMMANDS = {  # command -> a command line that resolves (nothing is run)
                 "--quiet", "--teacher_kind", "dense"],
     "engines": ["--model", "a=x", "--model", "b@2=y", "--dataset", "scifact", "--output", "o", "--depth", "50",
                 "--bootstrap_samples", "20"],
+    "share": ["runs/a/export", "me/model", "--card-only", "--metrics", "a.json", "b.json"],
 }
 
 
@@ -104,3 +105,17 @@ def test_engine_study_models_are_read_once_and_refused_naming_the_option(capsys)
         "hil engines: error: --model: name=path or name@seed=path expected, got 'ax'"
     assert main(["--model", "a=x", "--dataset", "scifact", "--output", "o", "--max_tokens", "1"]) == 2
     assert "--max_tokens must be >= 2" in capsys.readouterr().err
+
+
+def test_share_takes_its_leading_words_and_the_list_after_an_option(tmp_path):
+    """``hil share EXPORT REPO_ID --metrics a b`` (argparse's spelling of 0.2) and the named options are one
+    settings; a flag before the leading words does not take them."""
+    from hil.modeling.hub import ShareSettings
+
+    expected = ShareSettings("runs/a/export", "me/model", ["a.json", "b.json"], private=True)
+    assert settings_of("share", ["runs/a/export", "me/model", "--metrics", "a.json", "b.json", "--private"]) \
+        == expected
+    assert settings_of("share", ["--private", "runs/a/export", "me/model", "--metrics", "a.json", "--metrics",
+                                 "b.json"]) == expected
+    assert settings_of("share", ["--export", "runs/a/export", "--repo_id", "me/model", "--metrics", "a.json",
+                                 "--metrics", "b.json", "--private", "true"]) == expected

@@ -218,32 +218,36 @@ class SettingsParser(CommandParser):
         self.positional = tuple(positional)
 
     def respelled(self, argv: Sequence[str]) -> list[str]:
-        """``argv`` in the parser's own spelling (the class docstring)."""
-        argv, out = list(argv), []
-        for key in self.positional:  # leading words, before any option
-            if argv and not argv[0].startswith("-"):
-                out += [f"--{key}", argv.pop(0)]
-        i = 0
+        """``argv`` in the parser's own spelling (the class docstring): a word that is no option's value fills the
+        next ``positional`` field; a list option takes the words after it, each appended (``--metrics a b``, as
+        argparse's ``nargs="*"`` did)."""
+        argv, out, positional, i = list(argv), [], list(self.positional), 0
         while i < len(argv):
             arg = argv[i]
             name, equals, value = arg.partition("=")
             key = name[2:].replace("-", "_") if name.startswith("--") else None
+            nxt = argv[i + 1] if i + 1 < len(argv) else None
             spelling = self.renamed.get(key) if key else None
-            if spelling is not None:
+            if not arg.startswith("-"):
+                out += [f"--{positional.pop(0)}", arg] if positional else [arg]
+            elif spelling is not None:
                 once = " once per value" if spelling.split else ""
                 sys.stderr.write(f"{self.prog}: warning: {name} is deprecated (removed in {spelling.removed_in}): use "
                                  f"--{spelling.new}{once}\n")
-                if not equals and i + 1 < len(argv):
-                    value, i = argv[i + 1], i + 1
+                if not equals and nxt is not None:
+                    value, i = nxt, i + 1
                 values = [part for part in value.split(",") if part] if spelling.split else [value]
                 argv[i + 1:i + 1] = [item for part in values for item in (f"--{spelling.new}", part)]
-                i += 1
-                continue
-            nxt = argv[i + 1] if i + 1 < len(argv) else None
-            if key in self.bare_flags and not equals and (nxt is None or nxt not in TRUTH_VALUES):
+            elif key in self.bare_flags and not equals and (nxt is None or nxt not in TRUTH_VALUES):
                 out.append(f"--{key}=true")
             elif key in self.repeatable and not (value if equals else (nxt or "")).startswith("["):
-                out.append(f"--{key}+" + (f"={value}" if equals else ""))
+                out += [f"--{key}+={value}"] if equals else []
+                while i + 1 < len(argv) and not argv[i + 1].startswith("-"):
+                    out += [f"--{key}+", argv[i + 1]]
+                    i += 1
+            elif key is not None and not equals and key not in ("help", "print_config") and nxt is not None:
+                out += [arg, nxt]  # an option and its value (never a positional word)
+                i += 1
             else:
                 out.append(arg)
             i += 1

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Protocol
 
@@ -173,3 +174,33 @@ def push_to_hub(export_dir: str | Path, repo_id: str, metrics_files: Iterable[st
     api.upload_folder(repo_id=repo_id, folder_path=str(staging), commit_message="Upload a hil model",
                       token=token)
     return staging
+
+
+@dataclass
+class ShareSettings:
+    """The settings of hil share, each field the option of its name (the first two also the command's leading words).
+
+    An export and where it goes on the hub (:func:`share`).
+
+    Args:
+        export: an export folder (hil fit --export_dir, hil.export_model)
+        repo_id: the hub repository, user-or-org/name
+        metrics: metrics.json files whose figures go into the card (repeatable; several after one option too)
+        private: create the repository private
+        card_only: write README.md into the export; push nothing
+    """
+
+    export: str
+    repo_id: str
+    metrics: list[str] = field(default_factory=list)
+    private: bool = False
+    card_only: bool = False
+
+
+def share(settings: ShareSettings, token: str | None = None, api: HubApi | None = None) -> str:
+    """What ``settings`` ask: the card written into the export, or the export pushed with it. -> what was done, a
+    line to show."""
+    if settings.card_only:
+        return f"wrote {write_model_card(settings.export, settings.metrics, settings.repo_id)}"
+    push_to_hub(settings.export, settings.repo_id, settings.metrics, private=settings.private, token=token, api=api)
+    return f"pushed {settings.export} to https://huggingface.co/{settings.repo_id}"
