@@ -52,6 +52,16 @@ SHIMS = (
     Shim("from hil.cli.main import main", "hil/console.py", "hil.cli.main (a hil script installed before 0.2)",
          "0.3.0"),
     Shim("MOVED = ", "hil/cli/__init__.py", "hil.cli.train.train_main, hil.cli.evaluate_script.main", "0.3.0"),
+    # views of 0.2's two back-end registries, now one (hil.retrieval.backends.configs.REGISTRY)
+    Shim('"INDEX_CONFIGS"', "hil/retrieval/backends/configs.py", "REGISTRY[kind].index_config", "0.4.0"),
+    Shim('"SEARCH_CONFIGS"', "hil/retrieval/backends/configs.py", "REGISTRY[kind].search_config", "0.4.0"),
+    Shim('"BACKEND_KINDS"', "hil/retrieval/backends/configs.py",
+         "backend_kinds() (a command's --backend choices: BACKEND_CHOICES)", "0.4.0"),
+    Shim('name == "BACKENDS"', "hil/retrieval/backends/base.py", "hil.retrieval.backends.configs.REGISTRY", "0.4.0"),
+    Shim('name == "BACKENDS"', "hil/retrieval/backends/registry.py", "backend_class(kind), backend_classes()",
+         "0.4.0"),
+    Shim('name == "BACKEND_KINDS"', "hil/retrieval/backends/registry.py",
+         "hil.retrieval.backends.configs.backend_kinds()", "0.4.0"),
     # readers of artifacts written by earlier versions
     Shim('"faiss"', "hil/retrieval/index.py", 'index.json "backend" (indexes written before 0.2)', None),
     Shim("LEGACY_SEARCH_PARAMS", "hil/retrieval/index.py", "search-time settings outside index.json (before 0.2)",

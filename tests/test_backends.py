@@ -12,15 +12,14 @@ import pytest
 
 from hil.errors import UserError
 from hil.retrieval.backends.configs import (
-    INDEX_CONFIGS,
-    SEARCH_CONFIGS,
+    REGISTRY,
     IvfFlatIndexConfig,
     PlaidIndexConfig,
     PlaidSearchConfig,
     configs_from_params,
     with_search_values,
 )
-from hil.retrieval.backends.registry import BACKEND_KINDS, BACKENDS, backend_class, open_backend
+from hil.retrieval.backends.registry import backend_class, backend_classes, open_backend
 from hil.retrieval.builder import build_index, rebuild_search_structures
 from hil.retrieval.encoding import eval_mode
 from hil.retrieval.full_ranking import full_rank
@@ -46,13 +45,13 @@ def encoder(hf_tokenizer):
 def indexes(encoder, tmp_path_factory):
     ids, texts = toy_corpus()
     root = tmp_path_factory.mktemp("backends")
-    return {kind: build_index(encoder, ids, texts, root / kind, backend=INDEX_CONFIGS[kind](**params),
+    return {kind: build_index(encoder, ids, texts, root / kind, backend=REGISTRY[kind].index_config(**params),
                               progress=False) for kind, (params, _) in EVERYTHING.items()}
 
 
 def wide_settings(kind: str, index):
     wide = {"ncandidates": index.n_tokens} if kind not in ("plaid", "muvera") else {}
-    return SEARCH_CONFIGS[kind](**wide, **EVERYTHING[kind][1])
+    return REGISTRY[kind].search_config(**wide, **EVERYTHING[kind][1])
 
 
 def loop_ranking(encoder, index, text: str, k: int) -> list[tuple[str, float]]:
@@ -73,7 +72,8 @@ def loop_ranking(encoder, index, text: str, k: int) -> list[tuple[str, float]]:
 
 
 def test_every_registered_backend_is_covered():
-    assert set(EVERYTHING) == set(BACKENDS) == set(BACKEND_KINDS) == set(INDEX_CONFIGS) == set(SEARCH_CONFIGS)
+    assert set(EVERYTHING) == set(REGISTRY)
+    assert [cls.kind for cls in backend_classes()] == list(REGISTRY), "every registered kind has its class"
 
 
 @pytest.mark.parametrize("kind", list(EVERYTHING))
@@ -81,7 +81,7 @@ def test_wide_candidates_are_every_document_from_every_head(encoder, indexes, ki
     index = indexes[kind]
     assert index.backend_settings["kind"] == kind and (index.doc_lengths > 0).all()
     backend = open_backend(index, wide_settings(kind, index))
-    assert type(backend) is BACKENDS[kind]
+    assert type(backend) is REGISTRY[kind].backend
     with eval_mode(encoder):
         queries = encoder.encode_queries(list(QUERIES.values()))
     found = backend.candidates(queries, encoder.head_names)
@@ -121,14 +121,14 @@ def test_unknown_kind_is_refused_with_the_known_ones():
 @pytest.mark.parametrize("kind", list(EVERYTHING))
 def test_each_backend_owns_its_settings(kind):
     backend = backend_class(kind)
-    assert backend.kind == kind and backend.index_config is INDEX_CONFIGS[kind]
-    resolved = backend.resolve_params(INDEX_CONFIGS[kind](**EVERYTHING[kind][0]), n_tokens=2000, dim=16)
+    assert backend.kind == kind and backend.index_config is REGISTRY[kind].index_config
+    resolved = backend.resolve_params(backend.index_config(**EVERYTHING[kind][0]), n_tokens=2000, dim=16)
     assert set(resolved) <= backend.index_config.field_names()
-    assert backend.resolve_params(INDEX_CONFIGS[kind](**resolved), n_tokens=2000, dim=16) == resolved, \
+    assert backend.resolve_params(backend.index_config(**resolved), n_tokens=2000, dim=16) == resolved, \
         "resolving is idempotent"
     with pytest.raises(UserError, match="do not apply"):
         configs_from_params(kind, {"no_such_setting": 1})
-    other = next(config for name, config in INDEX_CONFIGS.items() if name != kind)
+    other = next(entry.index_config for name, entry in REGISTRY.items() if name != kind)
     with pytest.raises(UserError, match="does not configure"):
         backend.resolve_params(other(), n_tokens=2000, dim=16)
 

@@ -328,7 +328,7 @@ def test_auto_spellings_are_none_and_bad_keep_embeddings_is_refused():
 
 
 def test_a_corpus_above_the_threshold_is_compressed_as_encoded_and_says_so(hf_tokenizer, tmp_path, monkeypatch):
-    from hil.retrieval.backends import configs
+    from hil.retrieval.backends import centroid_configs  # where PlaidIndexConfig.sized reads it
 
     encoder = make_encoder(hf_tokenizer)  # D = 16: 32 fp16 bytes a token
     ids, texts = toy_corpus(120)
@@ -337,7 +337,7 @@ def test_a_corpus_above_the_threshold_is_compressed_as_encoded_and_says_so(hf_to
     assert not small.compressed_only and small.backend_settings["params"]["residual_bits"] == 0
     assert small.meta["storage_choice"]["tokens_per_doc"] == "doc_maxlen bound"
     # The threshold lowered below this corpus (the doc_maxlen bound is above it, the measured length too)
-    monkeypatch.setattr(configs, "KEEP_FP16_UP_TO_BYTES", 32 * small.n_tokens // 2)
+    monkeypatch.setattr(centroid_configs, "KEEP_FP16_UP_TO_BYTES", 32 * small.n_tokens // 2)
     large = build_index(encoder, ids, texts, tmp_path / "large", backend=PlaidIndexConfig(n_centroids=16),
                         progress=False)
     assert large.compressed_only and large.backend_settings["params"]["residual_bits"] == 2
@@ -346,7 +346,7 @@ def test_a_corpus_above_the_threshold_is_compressed_as_encoded_and_says_so(hf_to
     assert choice["n_tokens_estimate"] >= large.n_tokens, "tokenized lengths bound the stored tokens from above"
     assert "plan" in json.dumps(large.meta) and large.meta.get("build_plan"), "built compressed as encoded"
     # Reused as it is by the same request (the unset values match what was chosen), whatever the threshold now
-    monkeypatch.setattr(configs, "KEEP_FP16_UP_TO_BYTES", 4 << 30)
+    monkeypatch.setattr(centroid_configs, "KEEP_FP16_UP_TO_BYTES", 4 << 30)
     again = open_or_build_index(encoder, ids, texts, tmp_path / "large", backend=PlaidIndexConfig(n_centroids=16),
                                 progress=False)
     assert again.how_opened == "reused"

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from hil.retrieval.backends.configs import INDEX_CONFIGS, IvfSearchConfig
+from hil.retrieval.backends.configs import REGISTRY, IvfSearchConfig
 from hil.retrieval.backends.registry import open_backend
 from hil.retrieval.builder import build_index, open_or_build_index
 from hil.retrieval.encoding import encode_document_tokens, eval_mode
@@ -196,7 +196,8 @@ def test_open_or_build_reuses_then_rebuilds(tiny_random_colbert, corpus, tmp_pat
 def test_ivf_indexes_build_and_search(tiny_random_colbert, corpus, tmp_path, kind, params):
     encoder = tiny_random_colbert
     ids, texts = corpus
-    index = build_index(encoder, ids, texts, tmp_path / "idx", backend=INDEX_CONFIGS[kind](**params), progress=False)
+    index = build_index(encoder, ids, texts, tmp_path / "idx", backend=REGISTRY[kind].index_config(**params),
+                        progress=False)
     assert index.n_tokens >= 39 * params["nlist"], "enough training points for the chosen nlist"
     assert (tmp_path / "idx" / "colbert.faiss").is_file()
     loaded = TokenIndex.load(tmp_path / "idx")

@@ -19,7 +19,7 @@ from typing import Optional
 from hil.cli.parsers import CommandParser, returns_status
 from hil.errors import exit_status
 from hil.evaluation.statistics import P_ADJUST_METHODS
-from hil.retrieval.backends.configs import BACKEND_KINDS
+from hil.retrieval.backends.configs import BACKEND_CHOICES
 
 
 def build_parser() -> CommandParser:
@@ -44,7 +44,7 @@ def build_parser() -> CommandParser:
     parser.add_argument("--seed", type=int, default=12345, help="sampling and untrained-head initialisation")
     parser.add_argument("--k", type=int, default=1000, help="documents ranked per query")
     parser.add_argument("--ncandidates", type=int, default=None)
-    parser.add_argument("--backend", "--faiss", dest="backend", choices=BACKEND_KINDS, default="flat",
+    parser.add_argument("--backend", "--faiss", dest="backend", choices=BACKEND_CHOICES, default="flat",
                         help="the index's search back-end (--faiss: the name before 0.2)")
     parser.add_argument("--backend-params", dest="backend_params", type=Optional[dict], default=None,
                         help='its build-time and search-time settings as JSON, e.g. \'{"ndocs": 512}\' for plaid')

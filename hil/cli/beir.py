@@ -12,7 +12,7 @@ from hil.errors import exit_status
 from hil.evaluation.settings import MODES
 from hil.evaluation.statistics import P_ADJUST_METHODS
 from hil.experiments.beir_sets import BY_KEY, check_selection
-from hil.retrieval.backends.configs import BACKEND_KINDS
+from hil.retrieval.backends.configs import BACKEND_CHOICES
 from hil.retrieval.choices import PRECISIONS
 
 PROG = "hil beir"
@@ -36,7 +36,7 @@ def build_parser() -> CommandParser:
         "first-stage run is always re-ranked")
     add("--k", type=int, default=1000, help="documents ranked per query")
     add("--rerank-depth", type=int, default=100, help="first-stage candidates re-ranked per query")
-    add("--backend", "--faiss", dest="backend", choices=BACKEND_KINDS, default="flat",
+    add("--backend", "--faiss", dest="backend", choices=BACKEND_CHOICES, default="flat",
         help="the index's search back-end (mode full; --faiss: the name before 0.2)")
     add("--backend-params", "--faiss-params", dest="backend_params", type=Optional[dict], default=None,
         help='its build-time and search-time settings as JSON, e.g. \'{"nlist": 1024, "nprobe": 16}\'')

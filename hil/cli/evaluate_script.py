@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 from hil.cli.parsers import CommandParser, namespace_dict, returns_status
 from hil.errors import UserError, exit_status
 from hil.evaluation.statistics import P_ADJUST_METHODS
-from hil.retrieval.backends.configs import BACKEND_KINDS, configs_from_params, with_search_values
+from hil.retrieval.backends.configs import BACKEND_CHOICES, configs_from_params, with_search_values
 from hil.retrieval.choices import DOCUMENT_ENCODINGS, PRECISIONS
 
 if TYPE_CHECKING:  # the functions import what they run: --help loads no torch
@@ -103,7 +103,7 @@ def build_parser() -> CommandParser:
                         help="lowest grade binary metrics (recall, MAP, MRR, P) count as relevant; TREC DL uses 2 "
                              "(default: 1, or for irds: the level of the dataset's official measures). nDCG always "
                              "uses the grades")
-    parser.add_argument("--backend", "--faiss", dest="backend", choices=BACKEND_KINDS, default="flat",
+    parser.add_argument("--backend", "--faiss", dest="backend", choices=BACKEND_CHOICES, default="flat",
                         help="the index's search back-end (--faiss: the name before 0.2)")
     parser.add_argument("--backend-params", "--faiss-params", dest="backend_params", type=json_object, default=None,
                         help='its settings as JSON, build-time and search-time together, e.g. \'{"nlist": 1024, '

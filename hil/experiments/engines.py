@@ -109,11 +109,13 @@ def token_isotropy(points: torch.Tensor, seed: int) -> dict[str, float]:
     return {**isotropy_scores(points, max_points=None, seed=seed), "effective_rank": float(effective_rank(points))}
 
 
-def transform_of(index: TokenIndex, engine: Engine, head: str) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The (mean, matrix) a MUVERA engine's index applies to ``head``'s tokens, read back from the built index."""
-    if engine.backend.kind != "muvera" or engine.transform == "none":
+def transform_of(index: TokenIndex, head: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The (mean, matrix) an engine's index applies to ``head``'s tokens before its search (MUVERA's index-time
+    transform), as its back-end reads it back from the built index; None when the search sees them as stored."""
+    fitted = open_backend(index).token_transform(head)
+    if fitted is None:
         return None
-    _, _, mean, matrix = open_backend(index).structures(head)
+    mean, matrix = fitted
     return torch.as_tensor(mean, dtype=torch.float32), torch.as_tensor(matrix, dtype=torch.float32)
 
 
@@ -146,7 +148,7 @@ def model_record(name: str, encoder: Encoder, dataset: BeirDataset, engines: Seq
             METRIC: interval({q: m[METRIC] for q, m in found.per_query.items()}, n_bootstrap, seed),
             "search_seconds": found.details.get("search_seconds")}
         for head, points in samples.items():
-            fitted = transform_of(index, engine, head)
+            fitted = transform_of(index, head)
             if fitted is not None and engine.transform not in record["isotropy"][head]:
                 record["isotropy"][head][engine.transform] = token_isotropy(
                     apply_token_transform(points, *fitted), seed)

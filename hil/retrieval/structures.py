@@ -17,7 +17,7 @@ import torch
 from hil.errors import UserError
 from hil.provenance import StageClock, file_lock, lock_path
 from hil.retrieval.backends.configs import IndexConfig, PlaidIndexConfig, configs_from_params, index_config
-from hil.retrieval.backends.registry import BACKENDS, backend_class
+from hil.retrieval.backends.registry import backend_class, backend_classes
 from hil.retrieval.codec import CompressedEmbeddings
 from hil.retrieval.index import TokenIndex, plaid_paths, seal_index
 from hil.retrieval.progress import progress_bar
@@ -46,7 +46,7 @@ def backend_from(backend: str | IndexConfig = "flat", faiss_kind: str | None = N
 
 def _remove_stale_files(directory: Path, head: str, kept: set[Path]) -> None:
     """Remove the files every other kind may have left for ``head`` (an earlier build of another kind)."""
-    for backend in BACKENDS.values():
+    for backend in backend_classes():
         for path in backend.head_files(directory, head):
             if path not in kept:
                 path.unlink(missing_ok=True)

@@ -5,16 +5,18 @@ query
 (cheap, approximate), then every candidate is scored exactly by the encoder over the stored vectors. A back-end
 therefore only answers "which documents are worth scoring, and which head proposed each"; it never ranks.
 
-A back-end class is registered under its ``kind`` (:mod:`hil.retrieval.backends.registry`) and owns everything
-kind-specific: its typed build-time and search-time settings (``index_config`` / ``search_config``, classes of
-:mod:`hil.retrieval.backends.configs`), the defaults of the build-time ones (:meth:`SearchBackend.resolve_params`),
-the files it writes beside the vectors (:meth:`SearchBackend.build_head`, :meth:`SearchBackend.head_files`), and the
-search itself (:meth:`SearchBackend.candidates`) under its search settings, whose values as used it reports
-(:meth:`SearchBackend.search_stats`).
+A back-end class is registered under its ``kind`` when it is defined (the one registry:
+:data:`hil.retrieval.backends.configs.REGISTRY`) and owns everything kind-specific: its typed build-time and
+search-time settings (``index_config`` / ``search_config``, defined beside it; the base classes are
+:mod:`hil.retrieval.backends.config_base`'s), the defaults of the build-time ones
+(:meth:`SearchBackend.resolve_params`), the files it writes beside the vectors (:meth:`SearchBackend.build_head`,
+:meth:`SearchBackend.head_files`), and the search itself (:meth:`SearchBackend.candidates`) under its search
+settings, whose values as used it reports (:meth:`SearchBackend.search_stats`).
 """
 
 from __future__ import annotations
 
+import warnings
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +27,7 @@ import torch
 
 from hil.errors import UserError
 from hil.modeling.contracts import EncodedBatch
-from hil.retrieval.backends.configs import IndexConfig, SearchConfig, check_search, register_kind
+from hil.retrieval.backends.configs import REGISTRY, IndexConfig, SearchConfig, check_search, register
 from hil.retrieval.codec import ResidualCodec
 from hil.retrieval.index import TokenIndex
 from hil.retrieval.store import TokenTable
@@ -75,9 +77,6 @@ class CandidatePairs:
         return [Candidates(docs[lo:hi], flags[lo:hi]) for lo, hi in zip(bounds[:-1], bounds[1:])]
 
 
-BACKENDS: dict[str, "type[SearchBackend]"] = {}  # kind -> class, filled as back-end classes are defined
-
-
 class SearchBackend(ABC):
     """Candidate generation over one opened :class:`~hil.retrieval.index.TokenIndex` (see the module docstring).
 
@@ -95,14 +94,11 @@ class SearchBackend(ABC):
     stores_files: ClassVar[bool] = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        """A class that names its own ``kind`` is registered under it (the one registry: :data:`BACKENDS`, and its
-        settings classes in :mod:`~hil.retrieval.backends.configs`): defining a back-end is all it takes."""
+        """A class that names its own ``kind`` is registered under it with its settings classes (the one registry:
+        :data:`~hil.retrieval.backends.configs.REGISTRY`): defining a back-end is all it takes."""
         super().__init_subclass__(**kwargs)
         if "kind" in cls.__dict__:
-            if BACKENDS.get(cls.kind, cls) is not cls:
-                raise ValueError(f"back-end kind {cls.kind!r} is already {BACKENDS[cls.kind].__qualname__}")
-            register_kind(cls.kind, cls.index_config, cls.search_config)
-            BACKENDS[cls.kind] = cls
+            register(cls.kind, cls.index_config, cls.search_config, backend=cls)
 
     def __init__(self, index: TokenIndex, search: SearchConfig | None = None, *, use_gpu: bool = False,
                  gpu_device: int = 0, device: torch.device | None = None, depth: int | None = None):
@@ -191,6 +187,12 @@ class SearchBackend(ABC):
         return {"ncandidates": ncandidates, "max_candidates": max_candidates, "nprobe": nprobe,
                 "stage2_docs": stage2_docs}
 
+    def token_transform(self, head: str) -> tuple[np.ndarray, np.ndarray] | None:
+        """(mean, matrix) of the map ``x -> normalize((x - mean) @ matrix)`` this index applies to ``head``'s token
+        vectors before its search sees them (MUVERA's index-time transform), read back from the index; None (the
+        default) when the search sees them as stored. Exact scoring always reads the stored vectors."""
+        return None
+
     def candidates_per_head(self) -> tuple[str, int] | None:
         """(the setting, its value): the most documents one head proposes for a query (None: no fixed cap). A cap
         below the ranking depth makes runs shorter than ``k``, which the caller says."""
@@ -200,3 +202,11 @@ class SearchBackend(ABC):
         """The search-time settings as this back-end used them (read back from its structures where they hold
         them, e.g. a FAISS index's ``nprobe``), with its ``kind``: what a results file records."""
         return {"backend": self.kind, **self.search.values()}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "BACKENDS":  # kind -> class, the registry's view before it was one (hil.compat lists it)
+        warnings.warn("hil.retrieval.backends.base.BACKENDS is deprecated: use hil.retrieval.backends.configs.REGISTRY",
+                      DeprecationWarning, stacklevel=2)
+        return {kind: entry.backend for kind, entry in REGISTRY.items() if entry.backend is not None}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -22,7 +22,8 @@ from hil.errors import UserError
 from hil.modeling.contracts import EncodedBatch
 from hil.provenance import atomic_output
 from hil.retrieval.backends.base import CandidatePairs, Candidates, SearchBackend
-from hil.retrieval.backends.configs import IndexConfig, PlaidIndexConfig, PlaidSearchConfig
+from hil.retrieval.backends.centroid_configs import PlaidIndexConfig, PlaidSearchConfig
+from hil.retrieval.backends.config_base import IndexConfig
 from hil.retrieval.codec import NBITS, CompressedEmbeddings, ResidualCodec, fit_residual_codec
 from hil.retrieval.index import DOC_OFFSETS_NPY, embeddings_path, plaid_paths, save_npy_atomic
 from hil.retrieval.integrity import check_finite_vectors, load_npy, rebuild_hint

@@ -39,7 +39,8 @@ from hil.isotropy.linear_transforms import MomentAccumulator
 from hil.modeling.contracts import EncodedBatch
 from hil.provenance import atomic_output
 from hil.retrieval.backends.base import CandidatePairs, Candidates, SearchBackend
-from hil.retrieval.backends.configs import IndexConfig, MuveraIndexConfig, MuveraSearchConfig
+from hil.retrieval.backends.config_base import IndexConfig
+from hil.retrieval.backends.muvera_configs import MuveraIndexConfig, MuveraSearchConfig
 from hil.retrieval.backends.token_ann import _to_gpu
 from hil.retrieval.codec import ResidualCodec
 from hil.retrieval.fde import MAX_K_SIM, FdeSketch, document_fde, fde_dimension, fde_sketch, query_fde
@@ -221,6 +222,15 @@ class MuveraBackend(SearchBackend):
                 index = _to_gpu(index, self.gpu_device)
             cache[key] = (index, sketch, arrays.get("transform_mean"), arrays.get("transform_matrix"))
         return cache[key]
+
+    def token_transform(self, head: str) -> tuple[np.ndarray, np.ndarray] | None:
+        """The transform fitted at build time (``MuveraIndexConfig.transform``), from the head's ``.npz`` alone
+        (its FAISS index is not loaded); None for ``transform: none``."""
+        self.index.require_head(head)
+        with np.load(self.head_files(self.index.directory, head)[1]) as stored:
+            if "transform_mean" not in stored.files:
+                return None
+            return stored["transform_mean"], stored["transform_matrix"]
 
     def candidates_per_head(self) -> tuple[str, int] | None:
         given = self.search.n_candidates

@@ -1,6 +1,6 @@
-"""Which back-end serves which ``kind``: :data:`~hil.retrieval.backends.base.BACKENDS`, where every back-end class
-registers itself when it is defined (this module imports the built-in ones; their settings classes are known to
-:mod:`~hil.retrieval.backends.configs` from the start).
+"""Which back-end class serves which ``kind``: the one registry
+(:data:`~hil.retrieval.backends.configs.REGISTRY`) with every built-in back-end class in it, which this module
+imports (defining them completes their entries), and an index's back-end opened by its kind.
 
 ``index.json`` records the kind an index was built with (under ``"backend"``; ``"faiss"`` in indexes written before
 0.2); building, rebuilding and searching all look the class up here instead of branching on the kind.
@@ -8,32 +8,30 @@ registers itself when it is defined (this module imports the built-in ones; thei
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 
 from hil.errors import UserError
-from hil.retrieval.backends import (  # noqa: F401
+from hil.retrieval.backends import (  # noqa: F401  (defining them registers their classes)
     centroid,
     muvera,
-    token_ann,  # noqa: F401,I001  (defining them registers them; flat, ivf* first)
+    token_ann,
 )
-from hil.retrieval.backends.base import BACKENDS, SearchBackend
-from hil.retrieval.backends.configs import SearchConfig
+from hil.retrieval.backends.base import SearchBackend
+from hil.retrieval.backends.configs import REGISTRY, SearchConfig, backend_kinds, check_kind
 from hil.retrieval.index import TokenIndex
-
-# The built-in kinds in the order every list shows them, whichever module happened to be imported first (a module
-# importing centroid.py directly registers plaid before flat); back-ends defined elsewhere follow, as registered.
-BUILT_IN_KINDS = ("flat", "ivfflat", "ivfpq", "plaid", "muvera")
-
-
-def backend_kinds() -> tuple[str, ...]:
-    """Every registered kind: the built-ins in :data:`BUILT_IN_KINDS`' order, then the others as registered."""
-    return tuple(k for k in BUILT_IN_KINDS if k in BACKENDS) + tuple(k for k in BACKENDS if k not in BUILT_IN_KINDS)
 
 
 def __getattr__(name: str) -> Any:
-    if name == "BACKEND_KINDS":
+    if name == "BACKENDS":  # kind -> class: the registry's view before it was one (hil.compat lists it)
+        warnings.warn("hil.retrieval.backends.registry.BACKENDS is deprecated: use backend_class(kind), "
+                      "backend_classes() or hil.retrieval.backends.configs.REGISTRY", DeprecationWarning, stacklevel=2)
+        return {kind: backend_class(kind) for kind in backend_kinds()}
+    if name == "BACKEND_KINDS":  # hil.compat lists it
+        warnings.warn("hil.retrieval.backends.registry.BACKEND_KINDS is deprecated: use "
+                      "hil.retrieval.backends.configs.backend_kinds()", DeprecationWarning, stacklevel=2)
         return backend_kinds()
     if name == "FAISS_KINDS":  # the name before 0.2
         return backend_kinds()
@@ -42,9 +40,15 @@ def __getattr__(name: str) -> Any:
 
 def backend_class(kind: str) -> type[SearchBackend]:
     """The back-end registered as ``kind``; an unknown kind is refused with the known ones listed."""
-    if kind not in BACKENDS:
-        raise UserError(f"backend must be one of {backend_kinds()}, got {kind!r}")
-    return BACKENDS[kind]
+    backend = REGISTRY[check_kind(kind)].backend
+    if backend is None:  # settings registered without a class (a built-in's are all imported above)
+        raise UserError(f"backend {kind!r} has settings but no SearchBackend class: import the module defining it")
+    return backend
+
+
+def backend_classes() -> tuple[type[SearchBackend], ...]:
+    """The class of every registered kind, in :func:`~hil.retrieval.backends.configs.backend_kinds`' order."""
+    return tuple(entry.backend for entry in REGISTRY.values() if entry.backend is not None)
 
 
 def open_backend(index: TokenIndex, search: SearchConfig | None = None, *, use_gpu: bool = False,

@@ -29,10 +29,10 @@ from hil.errors import UserError
 from hil.modeling.contracts import EncodedBatch
 from hil.provenance import atomic_output
 from hil.retrieval.backends.base import Candidates, SearchBackend
-from hil.retrieval.backends.configs import (
+from hil.retrieval.backends.config_base import IndexConfig
+from hil.retrieval.backends.token_ann_configs import (
     FlatIndexConfig,
     FlatSearchConfig,
-    IndexConfig,
     IvfFlatIndexConfig,
     IvfPqIndexConfig,
     IvfSearchConfig,
