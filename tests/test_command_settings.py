@@ -22,6 +22,8 @@ COMMANDS = {  # command -> a command line that resolves (nothing is run)
     "engines": ["--model", "a=x", "--model", "b@2=y", "--dataset", "scifact", "--output", "o", "--depth", "50",
                 "--bootstrap_samples", "20"],
     "share": ["runs/a/export", "me/model", "--card-only", "--metrics", "a.json", "b.json"],
+    "paper": ["--profile", "smoke", "--variants", "colbert,hil", "--output", "o", "--no-corpus-idf", "--seeds", "1,2",
+              "--p_adjust", "bh", "--max_steps", "3"],
 }
 
 
@@ -119,3 +121,25 @@ def test_share_takes_its_leading_words_and_the_list_after_an_option(tmp_path):
                                  "b.json"]) == expected
     assert settings_of("share", ["--export", "runs/a/export", "--repo_id", "me/model", "--metrics", "a.json",
                                  "--metrics", "b.json", "--private", "true"]) == expected
+
+
+def test_paper_settings_make_the_profile_and_refuse_names_before_any_work(capsys):
+    settings = settings_of("paper", COMMANDS["paper"])
+    profile = settings.profile_settings()
+    assert (profile.name, profile.max_steps, profile.p_adjust, profile.corpus_idf) == ("smoke", 3, "bh", False)
+    assert (settings.variant_names(), settings.seed_list()) == (["colbert", "hil"], [1, 2])
+    old = settings_of("paper", [*COMMANDS["paper"][:4], "--out", "o", *COMMANDS["paper"][6:]])
+    assert old == settings and capsys.readouterr().err.strip() == \
+        "hil paper: warning: --out is deprecated (removed in 0.4.0): use --output"
+    from hil.errors import UserError
+    from hil.experiments.paper_settings import PaperSettings
+
+    with pytest.raises(UserError, match="^`variants`: unknown 'nope'"):  # when made, not when the run reads it
+        PaperSettings(variants="nope")
+    from hil.cli.paper import main
+
+    for argv, shown in ((["--variants", "colbert,nope"], "--variants: unknown 'nope'"),
+                        (["--seeds", "1,1"], "--seeds: one or more distinct seeds"),
+                        (["--max_steps", "0"], "--max_steps must be at least 1")):
+        assert main(argv) == 2
+        assert capsys.readouterr().err.startswith(f"error: {shown}")

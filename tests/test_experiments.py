@@ -119,7 +119,7 @@ def test_profile_budget_is_what_train_py_resolves(name):
     assert config["model"]["encoder"]["class_path"] == "hil.modeling.hil.HILEncoder"
     assert (budget.backbone, budget.query_maxlen, budget.doc_maxlen) == (encoder["backbone"], encoder["query_maxlen"],
                                                                          encoder["doc_maxlen"])
-    assert (budget.triples, budget.max_triples, budget.batch_size) == (config["data"]["triples"],
+    assert (budget.triples, budget.max_triples, budget.batch_size) == (config["data"]["source"]["init_args"]["path"],
                                                                        config["data"]["max_triples"],
                                                                        config["data"]["batch_size"])
     assert budget.lr == config["model"]["optimizer"]["init_args"]["lr"]
@@ -154,7 +154,7 @@ def test_smoke_dl19_reranks_the_given_bm25_run(tmp_path, capsys):
     """On DL19 BM25's row is the given run (scored on the slice) and a model re-ranks exactly its top 20; a finished
     DL19 evaluation of other data (the old judged pool) is redone, not reused."""
     out = tmp_path / "smoke"
-    assert main(["--profile", "smoke", "--out", str(out), "--variants", "colbert", "--datasets", "dl19"]) == 0
+    assert main(["--profile", "smoke", "--output", str(out), "--variants", "colbert", "--datasets", "dl19"]) == 0
     bm25 = json.loads((out / "eval" / "dl19" / "bm25.json").read_text())
     assert bm25["details"]["mode"] == "first-stage" and bm25["details"]["run_file"].endswith("bm25-top100.trec")
     assert bm25["dataset"]["judged_outside_corpus"] > 0 and bm25["dataset"]["relevance_level"] == 2
@@ -180,26 +180,26 @@ def test_smoke_dl19_reranks_the_given_bm25_run(tmp_path, capsys):
 
     (out / "eval" / "dl19" / "bm25.json").write_text(json.dumps(of_other_data(bm25)))
     colbert.write_text(json.dumps({**of_other_data(json.loads(colbert.read_text())), "metrics": {"ndcg@10": 0.99}}))
-    assert main(["--profile", "smoke", "--out", str(out), "--report-only"]) == 1  # no report of other data
+    assert main(["--profile", "smoke", "--output", str(out), "--report-only"]) == 1  # no report of other data
     assert "dl19/bm25 (msmarco-dl19-pool)" in capsys.readouterr().err
-    assert main(["--profile", "smoke", "--out", str(out), "--variants", "colbert", "--datasets", "dl19"]) == 0
+    assert main(["--profile", "smoke", "--output", str(out), "--variants", "colbert", "--datasets", "dl19"]) == 0
     redone = json.loads(colbert.read_text())
     assert redone["dataset"]["name"] == "dl19" and redone["metrics"]["ndcg@10"] != 0.99
     assert json.loads((out / "eval" / "dl19" / "bm25.json").read_text())["dataset"]["name"] == "dl19"
 
 
 def test_bad_arguments_are_one_line_errors(tmp_path, capsys):
-    assert main(["--profile", "smoke", "--out", str(tmp_path), "--variants", "colbert,nope"]) == 2
+    assert main(["--profile", "smoke", "--output", str(tmp_path), "--variants", "colbert,nope"]) == 2
     assert "--variants: unknown 'nope'" in capsys.readouterr().err
-    assert main(["--profile", "smoke", "--out", str(tmp_path), "--max-steps", "0"]) == 2
-    assert main(["--profile", "smoke", "--out", str(tmp_path / "empty"), "--report-only"]) == 2
+    assert main(["--profile", "smoke", "--output", str(tmp_path), "--max-steps", "0"]) == 2
+    assert main(["--profile", "smoke", "--output", str(tmp_path / "empty"), "--report-only"]) == 2
     assert "no evaluations found" in capsys.readouterr().err
 
 
 def test_smoke_profile_end_to_end_and_resume(tmp_path):
     """Every variant trains 2 steps and is evaluated on slices; the report has every table; a rerun skips."""
     out = tmp_path / "smoke"
-    assert main(["--profile", "smoke", "--out", str(out)]) == 0
+    assert main(["--profile", "smoke", "--output", str(out)]) == 0
     report = (out / "report.md").read_text()
     for heading in ("## Table 2", "## Table 3", "## Table 5", "Figure 2", "Figure 3", "Figure 5", "## Verdict"):
         assert heading in report, heading
@@ -232,7 +232,7 @@ def test_smoke_profile_end_to_end_and_resume(tmp_path):
     assert figures == ["fig2_cosines.png", "fig3_overlap.png", "fig5_layers.png"]
 
     published = tmp_path / "docs"
-    assert main(["--profile", "smoke", "--out", str(out), "--report-only", "--publish", str(published)]) == 0
+    assert main(["--profile", "smoke", "--output", str(out), "--report-only", "--publish", str(published)]) == 0
     assert (published / "report.md").is_file() and (published / "figures" / "fig2_cosines.png").is_file()
     assert (published / "eval" / "dl19" / "hil.json").is_file() and not list(published.rglob("*.npz"))
 
@@ -241,6 +241,6 @@ def test_smoke_profile_end_to_end_and_resume(tmp_path):
 
     before = column_records()
     exports = {p: p.stat().st_mtime_ns for p in (out / "train").glob("*/export/*.json")}
-    assert main(["--profile", "smoke", "--out", str(out)]) == 0  # resumes: nothing retrained or re-evaluated
+    assert main(["--profile", "smoke", "--output", str(out)]) == 0  # resumes: nothing retrained or re-evaluated
     assert before == column_records()
     assert exports == {p: p.stat().st_mtime_ns for p in (out / "train").glob("*/export/*.json")}

@@ -178,7 +178,7 @@ def test_seeds_option_is_checked(capsys):
     from hil.cli.paper import main
 
     for bad in ("1,x", "1,1", ","):
-        assert main(["--profile", "smoke", "--seeds", bad, "--report-only", "--out", "/nonexistent"]) == 2
+        assert main(["--profile", "smoke", "--seeds", bad, "--report-only", "--output", "/nonexistent"]) == 2
         assert "--seeds" in capsys.readouterr().err
 
 

@@ -41,12 +41,13 @@ import sys
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any, Collection
+from typing import Any
 
 from hil.errors import UserError
 from hil.evaluation.evaluate import EvaluationSettings
 from hil.evaluation.runner import DatasetSpec, Experiment, ModelSpec, StatisticsSettings, run_experiment
 from hil.experiments.paper_columns import ExperimentError, PaperColumns, head_overlap, log, relevant_pairs
+from hil.experiments.paper_settings import PaperSettings
 from hil.experiments.profiles import (
     CORPUS_IDF,
     DATASETS,
@@ -236,25 +237,34 @@ def publish_seeds(out: Path, seeds: list[int], target: Path) -> Path:
     return target / "seeds.md"
 
 
-def seed_list(text: str | None) -> list[int] | None:
-    """``--seeds 1,2,3`` as distinct integers (None when not given)."""
-    if text is None:
-        return None
+def run_paper(settings: PaperSettings, command: str = "") -> Path:
+    """The run ``settings`` describe (``hil paper``): the experiment (once per seed with ``seeds``), or only its
+    report; then published when asked. -> the report written."""
+    from hil.retrieval.devices import check_precision, resolve_device
+
+    profile, out = settings.profile_settings(), settings.output_folder()
     try:
-        seeds = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise UserError(f"--seeds: comma-separated integers expected (got {text!r})") from None
-    if not seeds or len(set(seeds)) != len(seeds):
-        raise UserError(f"--seeds: one or more distinct seeds expected (got {text!r})")
-    return seeds
-
-
-def names(option: str, text: str | None, known: Collection[str]) -> list[str] | None:
-    """The comma-separated names of ``option`` (None when not given), each one of ``known``."""
-    if not text:
-        return None
-    given = [name for name in text.split(",") if name]
-    unknown = [name for name in given if name not in known]
-    if unknown:
-        raise UserError(f"{option}: unknown {', '.join(map(repr, unknown))} (known: {', '.join(known)})")
-    return given
+        check_precision(profile.precision, resolve_device(profile.device))
+    except ValueError as error:
+        raise UserError(f"`device` / `precision`: {error}") from None
+    variants, datasets, seeds = settings.variant_names(), settings.dataset_names(), settings.seed_list()
+    if seeds is not None:
+        if settings.report_only:
+            report = write_seed_report(out, profile, seeds, command=command)
+        else:
+            report = run_seeds(profile, out, seeds, variants=variants, datasets=datasets, force=settings.force,
+                               command=command)
+        if settings.publish:
+            log(f"published {publish_seeds(out, seeds, Path(settings.publish))}")
+        return report
+    if settings.report_only:
+        recorded = out / "profile.json"  # the command that ran the experiment, not this rewrite
+        if recorded.is_file():
+            command = json.loads(recorded.read_text()).get("command") or command
+        report = write_outputs(out, profile, command=command)
+    else:
+        report = run_profile(profile, out, variants=variants, datasets=datasets, force=settings.force,
+                             command=command)
+    if settings.publish:
+        log(f"published {publish(out, Path(settings.publish))}")
+    return report
