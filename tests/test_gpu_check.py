@@ -9,6 +9,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -49,8 +50,8 @@ def cuda_skipped_tests_without_the_gpu_mark(source: str) -> list[str]:
     """Test functions of ``source`` skipped by a decorator that mentions CUDA (directly or through a module-level
     name such as ``needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), ...)``) but not marked ``gpu``."""
     tree = ast.parse(source)
-    def cuda_skip(text: str) -> bool:
-        return "skipif" in text and "cuda" in text
+    def cuda_skip(text: str) -> bool:  # skipped without CUDA (a test skipped *with* a GPU is a CPU-only test)
+        return "skipif" in text and "cuda" in text and not re.search(r"skipif\(\s*torch\.cuda\.is_available\(\)", text)
 
     cuda_names = {target.id for node in tree.body if isinstance(node, ast.Assign) and cuda_skip(ast.unparse(node.value))
                   for target in node.targets if isinstance(target, ast.Name)}
@@ -74,7 +75,8 @@ def test_every_test_that_needs_cuda_is_marked_gpu():
     example = ("import pytest, torch\nneeds = pytest.mark.skipif(not torch.cuda.is_available(), reason='x')\n"
                "@needs\ndef test_a(): pass\n@pytest.mark.gpu\n@needs\ndef test_b(): pass\n"
                "@pytest.mark.skipif(torch.cuda.device_count() < 2, reason='x')\ndef test_c(): pass\n"
-               "@pytest.mark.parametrize('device', ['cuda', 'cpu'])\ndef test_d(device): pass\n")
+               "@pytest.mark.parametrize('device', ['cuda', 'cpu'])\ndef test_d(device): pass\n"
+               "@pytest.mark.skipif(torch.cuda.is_available(), reason='a GPU is here')\ndef test_e(): pass\n")
     assert cuda_skipped_tests_without_the_gpu_mark(example) == ["test_a", "test_c"]
 
 
