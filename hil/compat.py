@@ -63,6 +63,11 @@ SHIMS = (
          "0.4.0"),
     Shim('name == "BACKEND_KINDS"', "hil/retrieval/backends/registry.py",
          "hil.retrieval.backends.configs.backend_kinds()", "0.4.0"),
+    # the data module's key per reader and per reader setting of 0.2 (data.triples, data.run_depth, ...): one reader
+    Shim("SOURCE_KEYS = {", "hil/data/old_source_keys.py", "data.source: {class_path: <reader>, init_args: ...}",
+         "0.4.0"),
+    Shim("**old_keys", "hil/data/datamodule.py", "TrainingDataModule(source=<an ExampleReader>)", "0.4.0"),
+    Shim("add_old_keys(parser)", "hil/cli/train.py", "data.source in hil fit's configs and command line", "0.4.0"),
     # readers of artifacts written by earlier versions
     Shim('"faiss"', "hil/retrieval/index.py", 'index.json "backend" (indexes written before 0.2)', None),
     Shim("LEGACY_SEARCH_PARAMS", "hil/retrieval/index.py", "search-time settings outside index.json (before 0.2)",

@@ -9,7 +9,7 @@ from pathlib import Path
 def write_nway_examples(folder: Path, n_queries: int = 8, nway: int = 4, scored: bool = True) -> list[str]:
     """A small ColBERTv2 n-way file (``[qid, [pid, score], ...]``, or ``[qid, pid, ...]`` without ``scored``) with
     its queries and collection, made from the shared triples; the data arguments that train from it instead of the
-    smoke preset's triples."""
+    smoke preset's triples (its reader as ``data.source``, by ``class_path``)."""
     from hil.data.triples import read_triples
     from hil.paths import resolve_data_file
 
@@ -26,6 +26,15 @@ def write_nway_examples(folder: Path, n_queries: int = 8, nway: int = 4, scored:
     (folder / "examples.jsonl").write_text("\n".join(lines) + "\n")
     (folder / "queries.tsv").write_text("".join(f"q{q}\t{t.query}\n" for q, t in enumerate(triples[:n_queries])))
     (folder / "collection.tsv").write_text("".join(f"{pid[text]}\t{text}\n" for text in passages))
-    return ["--data.triples", "null", "--data.nway_examples", str(folder / "examples.jsonl"),
-            "--data.queries", str(folder / "queries.tsv"), "--data.collection", str(folder / "collection.tsv"),
-            "--data.nway", str(nway), "--data.cache_dir", str(folder / "cache")]
+    return ["--data.source", "hil.data.nway_files.NWayExamples", "--data.source.path", str(folder / "examples.jsonl"),
+            "--data.source.queries", str(folder / "queries.tsv"), "--data.source.collection",
+            str(folder / "collection.tsv"), "--data.nway", str(nway), "--data.cache_dir", str(folder / "cache")]
+
+
+def nway_settings(folder: Path) -> dict:
+    """The data module's settings of the file :func:`write_nway_examples` wrote in ``folder`` (its reader, the
+    cache folder; ``nway`` left to the caller)."""
+    from hil.data.nway_files import NWayExamples
+
+    return {"source": NWayExamples(str(folder / "examples.jsonl"), str(folder / "queries.tsv"),
+                                   str(folder / "collection.tsv")), "cache_dir": str(folder / "cache")}

@@ -275,9 +275,9 @@ TRAIN_ROWS = [
     ("ckpt-path-plain-state-dict", plain_state_dict, ["--ckpt_path", "{tmp}/file"],
      ["--ckpt_path {tmp}/file: not a Lightning training checkpoint", "model.init_from"]),
     ("triples-invalid-utf8", triples_file(b"q\tpositive\tnegative\nq\tcaf\xe9\tnegative\n"),
-     ["--data.triples", "{tmp}/file"], ["{tmp}/file:2: invalid UTF-8"]),
+     ["--data.source.path", "{tmp}/file"], ["{tmp}/file:2: invalid UTF-8"]),
     ("triples-empty-column", triples_file(b"q\tpositive\tnegative\n\nq\t \tnegative\n"),
-     ["--data.triples", "{tmp}/file"], ["{tmp}/file:3: empty positive column"]),
+     ["--data.source.path", "{tmp}/file"], ["{tmp}/file:3: empty positive column"]),
 ]
 
 

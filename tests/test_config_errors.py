@@ -79,15 +79,15 @@ def test_tokenizer_without_the_marker_token(shared_dir, tmp_path, capsys):
 
 
 def test_missing_data_file(shared_dir, tmp_path, capsys):
-    code, line = run_cli(tmp_path, capsys, "--data.triples", str(tmp_path / "missing.tsv"))
+    code, line = run_cli(tmp_path, capsys, "--data.source.path", str(tmp_path / "missing.tsv"))
     assert code == 2
-    assert line.startswith(f"error: {tmp_path / 'missing.tsv'}: no such file")
+    assert line.startswith(f"error: TextTriples.path: {tmp_path / 'missing.tsv'}: no such file")
 
 
 def test_malformed_data_file_names_file_and_line(shared_dir, tmp_path, capsys):
     bad = tmp_path / "bad.tsv"
     bad.write_text("q1\tpositive one\tnegative one\nq2\tonly two columns\n", encoding="utf-8")
-    code, line = run_cli(tmp_path, capsys, "--data.triples", str(bad))
+    code, line = run_cli(tmp_path, capsys, "--data.source.path", str(bad))
     assert code == 2
     assert line.startswith(f"error: {bad}:2:") and "3 tab-separated columns" in line
 

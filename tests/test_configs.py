@@ -39,9 +39,7 @@ PAPER_LAMBDAS = {  # HIL Appendix A.3
 }
 HIL_ABLATIONS = {"colbert_hil": (True, True), "colbert_hil_no_reg_l": (False, True),
                  "colbert_hil_no_reg_h": (True, False), "colbert_hil_no_reg": (False, False)}
-ISSUE_22_DATA_DEFAULTS = {"nway_examples": None, "run": None, "pylate": None, "nway": None, "qrels": None,
-                          "run_depth": None, "run_selection": "top", "run_positives": "none",
-                          "run_targets": "scores", "relevance_level": 1, "short_queries": "error"}
+BEIR_MINING_UNSET = {"beir": None, "beir_split": "train", "negatives_per_query": 1, "bm25_depth": 100}  # 21203ed's
 REGULARIZER_KINDS = {None: "none", "hil.isotropy.regularizers.InterIsoRegularizer": "interiso",
                      "hil.isotropy.regularizers.CosRegRegularizer": "cosreg",
                      "hil.isotropy.regularizers.IStarRegularizer": "istar"}
@@ -68,12 +66,15 @@ def as_before(new: dict) -> dict:
     policy in the model, IDF sourcing in the model, no callbacks group. Anything that moved is checked on the way."""
     new = copy.deepcopy(new)
     model, data = new.pop("model"), new.pop("data")
-    # Added since (issue 14): the id-triples layout and the line-offsets cache folder, unset by every config.
-    assert [data.pop(k) for k in ("id_triples", "queries", "collection", "cache_dir")] == [None] * 4
-    # Added since (issue 22): n-way / distillation sources, unset by every triples config (their defaults choose
-    # nothing: the source is `triples`).
-    assert {k: data.pop(k) for k in ISSUE_22_DATA_DEFAULTS} == ISSUE_22_DATA_DEFAULTS
-    assert data.pop("teacher_output") is None  # added since (issue 31): what `hil teacher` wrote, unset
+    # Added since (issue 14): the line-offsets cache folder, unset by every config; (issue 22) documents per example,
+    # unset (triples are N = 2).
+    assert (data.pop("cache_dir"), data.pop("nway")) == (None, None)
+    # Since issue 39 the source is one reader chosen by class_path (data.source), in place of a key per reader and
+    # per reader setting; every config here reads text triples: 21203ed's keys are its path and the BEIR-mining
+    # defaults, which chose nothing.
+    source = data.pop("source")
+    assert source["class_path"] == "hil.data.triples_file.TextTriples" and set(source["init_args"]) == {"path"}
+    data.update(triples=source["init_args"]["path"], **BEIR_MINING_UNSET)
     # Added since (issue 22): the objective's further terms and GradCache, unset; every loss got a `weight`
     # (1: the objective is the loss as it was; tests/test_terms.py checks the N = 2 training is bit-identical).
     assert (model.pop("terms"), model.pop("gradcache_chunk_size")) == (None, None)
@@ -150,8 +151,8 @@ def test_distilled_configs_train_from_nway_examples_with_a_kl_term():
         model, data = resolved["model"], resolved["data"]
         assert model["loss"]["class_path"] == "hil.modeling.losses.KLDistillation", name
         # what `hil teacher` wrote, alone: its texts and nway come from its .meta.json
-        assert data["triples"] is None and data["teacher_output"] and not data["nway_examples"], name
-        assert data["queries"] is None and data["collection"] is None and data["nway"] is None, name
+        assert data["source"] == {"class_path": "hil.data.teacher_output.TeacherOutput",
+                                  "init_args": {"path": "distill/examples.jsonl"}} and data["nway"] is None, name
         weight = regularizers[name]
         assert (model["regularizer"] or {}).get("init_args", {}).get("weight") == weight, name
     model = print_config(config_args("colbert_hil_distill"))["model"]
@@ -206,8 +207,8 @@ def trained(tmp_path_factory, shared_dir):
     def train(name: str) -> Path:
         if name not in exports:
             root = tmp_path_factory.mktemp(name)
-            # the distilled variants read `hil teacher`'s output (teacher_output): this small file replaces it
-            data = [*write_nway_examples(root), "--data.teacher_output", "null"] if name in DISTILLED else []
+            # the distilled variants read `hil teacher`'s output (TeacherOutput): this small file's reader replaces it
+            data = write_nway_examples(root) if name in DISTILLED else []
             cli = train_main(["fit", *config_args(name, "smoke"), *data,
                               "--trainer.default_root_dir", str(root), "--trainer.logger", "false",
                               "--trainer.max_steps", "2", "--trainer.enable_checkpointing", "false",

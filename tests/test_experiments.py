@@ -119,7 +119,7 @@ def test_profile_budget_is_what_train_py_resolves(name):
     assert config["model"]["encoder"]["class_path"] == "hil.modeling.hil.HILEncoder"
     assert (budget.backbone, budget.query_maxlen, budget.doc_maxlen) == (encoder["backbone"], encoder["query_maxlen"],
                                                                          encoder["doc_maxlen"])
-    assert (budget.triples, budget.max_triples, budget.batch_size) == (config["data"]["triples"],
+    assert (budget.triples, budget.max_triples, budget.batch_size) == (config["data"]["source"]["init_args"]["path"],
                                                                        config["data"]["max_triples"],
                                                                        config["data"]["batch_size"])
     assert budget.lr == config["model"]["optimizer"]["init_args"]["lr"]

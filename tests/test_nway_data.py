@@ -1,8 +1,9 @@
-"""The on-disk readers of n-way and distillation examples (hil.data.nway_files, pylate_files, run_examples,
-example_sources): each parses its format exactly -- item i equals what a slow, obvious reader (the whole file
-decoded, split on "\\n", json.loads of every line) gives, with CRLF, a BOM, blank lines and unicode -- or refuses
-the first bad line naming file and line (fuzzed against a model of the format, as tests/test_fuzz_loaders.py does);
-and each shards over two ranks and resumes exactly through EpochShuffleSampler, and pickles cheaply."""
+"""The on-disk readers of n-way and distillation examples (hil.data.nway_files, pylate_files, run_examples, and
+their readers for a config, NWayExamples, PyLateExamples, TrecRun): each parses its format exactly -- item i
+equals what a slow, obvious reader (the whole file decoded, split on "\\n", json.loads of every line) gives, with
+CRLF, a BOM, blank lines and unicode -- or refuses the first bad line naming file and line (fuzzed against a model
+of the format, as tests/test_fuzz_loaders.py does); and each shards over two ranks and resumes exactly through
+EpochShuffleSampler, and pickles cheaply."""
 
 from __future__ import annotations
 
@@ -19,11 +20,10 @@ from hypothesis import strategies as st
 
 from hil.data import example_files, nway_files
 from hil.data.datamodule import EpochShuffleSampler
-from hil.data.example_sources import open_example_source
-from hil.data.examples import ExampleSource, ScoredExample
-from hil.data.nway_files import NWayFile, PyLateFile
-from hil.data.pylate_files import open_pylate
-from hil.data.run_examples import RunExamples, RunSettings
+from hil.data.examples import ExampleSource, ReadSettings, ScoredExample
+from hil.data.nway_files import NWayExamples, NWayFile, PyLateFile
+from hil.data.pylate_files import PyLateExamples, open_pylate
+from hil.data.run_examples import RunExamples, RunSettings, TrecRun
 from hil.errors import DataFormatError, MissingInputError, UserError
 from test_fuzz_loaders import BAD, BLANK, FUZZ, Expected, Line, blank_lines, check, files, with_bad_bytes
 
@@ -253,9 +253,9 @@ def test_run_positives_first_and_qrels_targets(tmp_path):
     bare = RunExamples(run, queries, collection, RunSettings(2, positives="first", targets="none"), qrels)
     assert [e.scores for e in items(bare)] == [None] * 3 and [e.ids for e in items(bare)] == [e.ids for e in
                                                                                             items(first)]
-    # the generic opener, every path relative to the data folder (qrels found there too), reads the same examples
-    assert items(open_example_source("run", "teacher.trec", queries="queries.tsv", collection="collection.tsv",
-                                     data_dir=tmp_path, nway=2, positives="first", qrels="qrels.tsv")) == items(first)
+    # the reader of a config, every path relative to the data folder (qrels found there too), reads the same examples
+    reader = TrecRun("teacher.trec", "queries.tsv", "collection.tsv", qrels="qrels.tsv", positives="first")
+    assert items(reader.open(ReadSettings(nway=2, data_dir=tmp_path))) == items(first)
     trec = tmp_path / "qrels.trec"  # TREC qrels give the same
     trec.write_text("".join(f"{q} 0 {d} {g}\n" for q, d, g in (line.split("\t") for line in QRELS.splitlines())))
     assert items(RunExamples(run, queries, collection, RunSettings(2, positives="first"), trec)) == items(first)
@@ -324,24 +324,29 @@ def test_option_errors_name_the_option(tmp_path):
             RunSettings(**settings)
     with pytest.raises(UserError, match="needs qrels"):
         RunExamples(run, queries, collection, RunSettings(2, positives="first"))
-    with pytest.raises(UserError, match="no example reader for 'trec'.*nway_examples, pylate, run"):
-        open_example_source("trec", run, queries=queries, collection=collection)
-    with pytest.raises(UserError, match="run needs nway"):
-        open_example_source("run", run, queries=queries, collection=collection)
-    with pytest.raises(UserError, match="qrels, depth only apply to run, not to nway_examples"):
-        open_example_source("nway_examples", run, queries=queries, collection=collection, qrels=run, depth=3)
-    # a setting at its default is not "set": the data module passes every run setting to every format
+    # the readers of a config check their settings when the data module is made (resolve), before any file is read
+    reader = TrecRun(str(run), str(queries), str(collection))
+    with pytest.raises(UserError, match="TrecRun needs data.nway"):
+        reader.resolve(ReadSettings())
+    with pytest.raises(UserError, match="selection must be one of"):
+        TrecRun(str(run), str(queries), str(collection), selection="random").resolve(ReadSettings(nway=2))
+    with pytest.raises(UserError, match="positives='first' with targets='scores' needs qrels"):
+        TrecRun(str(run), str(queries), str(collection), positives="first").resolve(ReadSettings(nway=2))
+    assert reader.resolve(ReadSettings(nway=2)) == (reader, ReadSettings(nway=2))
     examples = tmp_path / "examples.jsonl"
     examples.write_bytes(odd_bytes(NWAY_LINES))
-    opened = open_example_source("nway_examples", examples, queries=queries, collection=collection, nway=2,
-                                 selection="top", relevance_level=1, qrels=None)
+    opened = NWayExamples(str(examples), str(queries), str(collection)).open(ReadSettings(nway=2))
     assert items(opened) == items(NWayFile(examples, queries, collection, nway=2))
-    with pytest.raises(TypeError, match="no example reader takes colour"):
-        open_example_source("nway_examples", examples, queries=queries, collection=collection, colour="red")
-    with pytest.raises(UserError, match="needs collection"):
-        open_example_source("nway_examples", run, queries=queries)
-    with pytest.raises(MissingInputError, match="collection: .*nowhere.tsv"):
-        open_example_source("nway_examples", run, queries=queries, collection=tmp_path / "nowhere.tsv")
+    with pytest.raises(TypeError, match="colour"):
+        NWayExamples(str(examples), str(queries), str(collection), colour="red")
+    with pytest.raises(TypeError, match="collection"):
+        NWayExamples(str(examples), str(queries))
+    with pytest.raises(MissingInputError, match="NWayExamples.collection: .*nowhere.tsv"):
+        NWayExamples(str(examples), str(queries), str(tmp_path / "nowhere.tsv")).open(ReadSettings(nway=2))
+    pylate = PyLateExamples(str(examples), str(queries), str(collection))
+    assert pylate.record() == {"class_path": "hil.data.pylate_files.PyLateExamples",
+                               "init_args": {"path": str(examples), "queries": str(queries),
+                                             "collection": str(collection)}}
 
 
 # -- checking once, reading later -------------------------------------------------------------------------------------

@@ -338,10 +338,14 @@ def _examples(source) -> list:
 
 @pytest.mark.parametrize("fmt", ["colbert", "pylate", "trec"])
 def test_teacher_output_alone_trains_from_what_the_teacher_wrote(tmp_path, texts, cross_encoder, fmt, monkeypatch):
-    """``data.teacher_output`` alone: the layout, texts and nway come from the ``.meta.json``; the examples are the
+    """``TeacherOutput`` alone: the layout, texts and nway come from the ``.meta.json``; the examples are the
     ones the format's own reader gives with every setting spelled out (from another folder than the teacher ran
-    in: written paths are taken beside the examples)."""
+    in: written paths are taken beside the examples), and the data module records that reader as used."""
     from hil.data.datamodule import TrainingDataModule
+    from hil.data.nway_files import NWayExamples
+    from hil.data.pylate_files import PyLateExamples
+    from hil.data.run_examples import TrecRun
+    from hil.data.teacher_output import TeacherOutput
 
     output = tmp_path / "out" / f"examples.{'trec' if fmt == 'trec' else 'jsonl'}"
     assert run_teacher(texts, output, "--teacher", str(cross_encoder), "--depth", "5", "--nway", "4",
@@ -349,21 +353,23 @@ def test_teacher_output_alone_trains_from_what_the_teacher_wrote(tmp_path, texts
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
-    module = TrainingDataModule(teacher_output=str(output), batch_size=2)
+    module = TrainingDataModule(TeacherOutput(str(output)), batch_size=2)
     module.setup("fit")
     reader = {"colbert": NWayFile, "pylate": open_pylate,
               "trec": lambda *paths: RunExamples(*paths, RunSettings(4))}[fmt]
     explicit = reader(output, texts["queries"], texts["collection"])
     assert _examples(module.train_dataset) == _examples(explicit) and len(explicit) == 3
-    assert module.source_kind == {"colbert": "nway_examples", "pylate": "pylate", "trec": "run"}[fmt]
-    assert module.hparams.nway == 4 and module.hparams.teacher_output == str(output)
-    lower = TrainingDataModule(teacher_output=str(output), nway=2)  # fewer documents per query than written
+    used = {"colbert": NWayExamples, "pylate": PyLateExamples, "trec": TrecRun}[fmt]
+    assert module.reader == used(str(output), str(texts["queries"]), str(texts["collection"]))
+    assert module.hparams.nway == 4 and module.hparams.source == module.reader.record()
+    lower = TrainingDataModule(TeacherOutput(str(output)), nway=2)  # fewer documents per query than written
     lower.setup("fit")
     assert all(len(example.documents) == 2 for example in _examples(lower.train_dataset))
 
 
 def test_teacher_output_of_a_beir_set_reads_the_texts_written_beside_it(tmp_path, cross_encoder, monkeypatch):
     from hil.data.datamodule import TrainingDataModule
+    from hil.data.teacher_output import TeacherOutput
 
     folder = tmp_path / "mini"
     (folder / "qrels").mkdir(parents=True)
@@ -376,7 +382,7 @@ def test_teacher_output_of_a_beir_set_reads_the_texts_written_beside_it(tmp_path
                          "--depth", "5", "--nway", "3", "--quiet", "--device", "cpu"]) == 0
     (tmp_path / "later").mkdir()
     monkeypatch.chdir(tmp_path / "later")  # the meta's relative paths name files beside the examples
-    module = TrainingDataModule(teacher_output=str(tmp_path / "made" / "ex.jsonl"))
+    module = TrainingDataModule(TeacherOutput(str(tmp_path / "made" / "ex.jsonl")))
     module.setup("fit")
     made = tmp_path / "made"
     explicit = NWayFile(made / "ex.jsonl", made / "ex.queries.tsv", made / "ex.collection.tsv")
@@ -384,42 +390,45 @@ def test_teacher_output_of_a_beir_set_reads_the_texts_written_beside_it(tmp_path
 
 
 def test_teacher_output_refusals_name_the_setting(tmp_path, texts, cross_encoder):
+    """Refused when the data module is made, before any model loads; the spelling before 0.3 keeps its own."""
     from hil.data.datamodule import TrainingDataModule
+    from hil.data.teacher_output import TeacherOutput
     from hil.errors import UserError
 
     output = tmp_path / "ex.jsonl"
     assert run_teacher(texts, output, "--teacher", str(cross_encoder), "--depth", "5", "--nway", "3") == 0
-    with pytest.raises(ValueError, match="data.nway 4 is more than the 3"):
-        TrainingDataModule(teacher_output=str(output), nway=4)
+    with pytest.raises(UserError, match="data.nway 4 is more than the 3"):
+        TrainingDataModule(TeacherOutput(str(output)), nway=4)
     with pytest.raises(ValueError, match="give neither"):
         TrainingDataModule(teacher_output=str(output), queries=str(texts["queries"]))
-    with pytest.raises(ValueError, match=r"data.triples: null"):
+    with pytest.raises(ValueError, match=r"exactly one of .*got \['triples', 'teacher_output'\]"):
         TrainingDataModule(triples="x.tsv", teacher_output=str(output))
     (tmp_path / "plain.jsonl").write_text(output.read_text())
     with pytest.raises(UserError, match=r"plain.jsonl.meta.json not found: not written by `hil teacher`"):
-        TrainingDataModule(teacher_output=str(tmp_path / "plain.jsonl"))
+        TrainingDataModule(TeacherOutput(str(tmp_path / "plain.jsonl")))
     output.with_name("ex.jsonl.meta.json").write_text("{\"settings\": {}}")
     with pytest.raises(UserError, match="not a `hil teacher` record"):
-        TrainingDataModule(teacher_output=str(output))
+        TrainingDataModule(TeacherOutput(str(output)))
 
 
 @pytest.mark.integration
 def test_hil_fit_trains_from_teacher_output_alone(tmp_path, texts, cross_encoder, shared_dir):
     """The command line a user runs (LightningCLI hands the data module its arguments as given): a distillation
-    variant with ``--data.teacher_output`` trains, and the data module records what the .meta.json resolved."""
+    variant with ``TeacherOutput`` as ``data.source`` trains, and the data module records the reader the .meta.json
+    resolved to."""
     from hil.cli.train import train_main
 
     output = tmp_path / "ex.jsonl"
     assert run_teacher(texts, output, "--teacher", str(cross_encoder), "--depth", "5", "--nway", "3") == 0
     cli = train_main(["fit", "--config", "colbert", "--config", "variants/colbert_distill", "--config",
-                      "presets/smoke", "--data.triples", "null", "--data.teacher_output", str(output),
+                      "presets/smoke", "--data.source", "TeacherOutput", "--data.source.path", str(output),
                       "--data.batch_size", "2", "--trainer.max_steps", "2", "--trainer.logger", "false",
                       "--trainer.enable_checkpointing", "false", "--trainer.callbacks", "[]",
                       "--trainer.default_root_dir", str(tmp_path / "run")])
     assert cli.trainer.global_step == 2
     hparams = cli.datamodule.hparams
-    assert (hparams.nway_examples, hparams.queries, hparams.collection, hparams.nway) == (
-        str(output), str(texts["queries"]), str(texts["collection"]), 3)
+    assert (hparams.source, hparams.nway) == ({"class_path": "hil.data.nway_files.NWayExamples", "init_args": {
+        "path": str(output), "queries": str(texts["queries"]), "collection": str(texts["collection"])}}, 3)
 
 
 def test_an_existing_output_is_refused_unless_overwrite_is_given(tmp_path, texts, cross_encoder, capsys,

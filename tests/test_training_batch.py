@@ -17,7 +17,7 @@ from hil.data.triples import Triple
 from hil.errors import DataFormatError
 from hil.modeling.module import ranking_texts
 
-from nway_examples import write_nway_examples
+from nway_examples import nway_settings, write_nway_examples
 
 EXAMPLES = [ScoredExample("q1", ("a1", "b1", "c1"), (3.0, 1.0, 2.0)),
             ScoredExample("q2", ("a2", "b2", "c2"), (0.5, 0.0, -1.0)),
@@ -77,9 +77,8 @@ def test_the_loader_tokenizes_an_nway_file_column_by_column(shared_dir, tmp_path
     from hil.data.tokenization import ColBERTTokenizer
 
     b, n = 3, 4
-    args = write_nway_examples(tmp_path, n_queries=6, nway=n)
-    settings = {a.removeprefix("--data."): v for a, v in zip(args[0::2], args[1::2]) if a != "--data.triples"}
-    data = TrainingDataModule(**{**settings, "nway": n}, batch_size=b, shuffle=False)
+    write_nway_examples(tmp_path, n_queries=6, nway=n)
+    data = TrainingDataModule(**nway_settings(tmp_path), nway=n, batch_size=b, shuffle=False)
     tokenizer = ColBERTTokenizer(hf_tokenizer, query_maxlen=16, doc_maxlen=24)
     data.tokenize_with(tokenizer)
     data.setup("fit")

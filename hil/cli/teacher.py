@@ -49,8 +49,8 @@ def main(argv: list[str] | None = None) -> int:
         record = as_options(lambda: teacher.run(settings))
         counts = record["counts"]
         print(f"wrote {counts['written']} of {counts['queries']} queries to {record['files']['examples']} "
-              f"({record['files']['meta']}); train from it: hil fit ... --data.teacher_output "
-              f"{record['files']['examples']}")
+              f"({record['files']['meta']}); train from it: hil fit ... --data.source TeacherOutput "
+              f"--data.source.path {record['files']['examples']}")
         return 0
 
     return exit_status(PROG, make_and_report)

@@ -61,6 +61,7 @@ from hil.cli.train_runs import (  # noqa: E402
     resume_decision,
 )
 from hil.data.datamodule import TrainingDataModule  # noqa: E402
+from hil.data.old_source_keys import add_old_keys, respell_old_keys  # noqa: E402
 from hil.data.tokenization import MarkerTokenError  # noqa: E402
 from hil.errors import DEBUG_ENV, MissingInputError, UserError, check_output_path, one_line  # noqa: E402
 from hil.errors import user_error as _user_error  # noqa: E402
@@ -118,7 +119,13 @@ def check_checkpoint(path: str | os.PathLike | None, option: str = "--ckpt_path"
 
 
 class TrainingParser(OneLineErrors, LightningArgumentParser):
-    """LightningCLI's parser with the package's one-line errors and recipes by name (:mod:`hil.cli.parsers`)."""
+    """LightningCLI's parser with the package's one-line errors and recipes by name (:mod:`hil.cli.parsers`); the
+    data keys of before 0.3 are read as ``data.source`` before the config is checked or printed
+    (:mod:`hil.data.old_source_keys`)."""
+
+    def _parse_common(self, cfg: Namespace, *args: Any, **kwargs: Any) -> Namespace:
+        respell_old_keys(cfg)
+        return super()._parse_common(cfg, *args, **kwargs)
 
 
 class HILCLI(LightningCLI):
@@ -142,6 +149,7 @@ class HILCLI(LightningCLI):
         parser.add_argument("--float32_matmul_precision", type=MatmulPrecision | None, default=None,
                             help="torch.set_float32_matmul_precision before training (null: torch's default)")
         parser.add_argument("--resume", type=ResumeChoice | None, default=None, help=RESUME_HELP)
+        add_old_keys(parser)  # data.triples, ...: read as data.source until 0.4.0
 
     def parse_arguments(self, parser: LightningArgumentParser, args) -> None:
         super().parse_arguments(parser, args)

@@ -1,9 +1,11 @@
 """Training data as a LightningDataModule: triples or n-way examples in, batches out -- of strings, or tokenized.
 
-Triples files are read from disk by index (:mod:`hil.data.triples_file`), so their size is bounded by the disk, not
-by memory; only BM25-mined triples (small) and ``.gz`` files are held as a list. N-way examples (ColBERTv2's files, a
-TREC run with teacher scores, PyLate's layout) are read by byte offset too
-(:func:`hil.data.example_sources.open_example_source`).
+Where the examples come from is one setting, ``data.source``: a reader chosen by ``class_path``
+(:class:`~hil.data.examples.ExampleReader`, one module each: text or id triples, BM25-mined triples, ColBERTv2's
+n-way files, a TREC run with teacher scores, PyLate's layout, what ``hil teacher`` wrote -- or one defined outside
+the package). Files are read from disk by index (:mod:`hil.data.triples_file`, :mod:`hil.data.nway_files`), so
+their size is bounded by the disk, not by memory; only BM25-mined triples (small) and ``.gz`` files are held as a
+list. The spelling before 0.3 (a key per reader and per reader setting) is read by :mod:`hil.data.old_source_keys`.
 
 A batch of B examples of N documents each (:func:`collate_examples`) is a dict:
     queries         (B)     the queries (strings)
@@ -33,45 +35,20 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import pytorch_lightning as pl
 import torch
-from torch.utils.data import Dataset, DistributedSampler
+from torch.utils.data import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+import hil.data.teacher_output  # noqa: F401 -- with triples_file, the built-in readers: named by class name in a
+import hil.data.triples_file  # noqa: F401 -- config and listed by `hil fit --help` (another by its class_path)
 from hil.data.distinct import StreamedTexts, iter_distinct
-from hil.data.examples import ExampleSource, ScoredExample
+from hil.data.examples import ExampleReader, ExampleSource, ReadSettings, ScoredExample
 from hil.data.tokenization import ColBERTTokenizer
-from hil.data.triples import Triple, iter_triples, mine_bm25_triples, read_triples
-from hil.data.triples_file import IdTriplesFile, TriplesFile
+from hil.data.triples import Triple, TripleDataset, iter_triples
 from hil.errors import UserError
 from hil.paths import resolve_data_file
 
-
-class TripleDataset(Dataset):
-    """Triples held in a list (BM25-mined ones, a ``.gz`` file); the same interface as the on-disk datasets."""
-
-    def __init__(self, triples: list[Triple]):
-        self.triples = triples
-
-    def __len__(self) -> int:
-        return len(self.triples)
-
-    def __getitem__(self, index: int) -> Triple:
-        return self.triples[index]
-
-    def __iter__(self) -> Iterator[Triple]:
-        return iter(self.triples)
-
-    def iter_passages(self) -> Iterator[str]:
-        """Positive then negative of each triple in order (repeats included)."""
-        for triple in self.triples:
-            yield triple.positive
-            yield triple.negative
-
-    def iter_queries(self) -> Iterator[str]:
-        return (triple.query for triple in self.triples)
-
-
-TrainingTriples = TripleDataset | TriplesFile | IdTriplesFile | ExampleSource
-EXAMPLE_SOURCES = ("nway_examples", "run", "pylate")  # keys of formats registered in hil.data.examples.EXAMPLE_READERS
+__all__ = ["EpochShuffleSampler", "TokenizedCollate", "TrainingDataModule", "TripleDataset", "collate_examples",
+           "collate_triples", "column_by_column", "idf_source_documents"]
 
 
 def collate_triples(triples: list[Triple]) -> dict[str, list[Any]]:
@@ -232,7 +209,7 @@ class EpochShuffleSampler(DistributedSampler):
         self.resume_at(int(state["epoch"]), int(state["consumed"]))
 
 
-def idf_source_documents(source: str, limit: int | None, training: TrainingTriples | None = None,
+def idf_source_documents(source: str, limit: int | None, training: ExampleSource | None = None,
                          data_dir: str | None = None) -> tuple[Iterable[str], str] | None:
     """The documents ColBERT-HIL's query-term IDF is computed from (``data.idf_source``), and a label for them.
 
@@ -280,107 +257,73 @@ def idf_source_documents(source: str, limit: int | None, training: TrainingTripl
 
 
 class TrainingDataModule(pl.LightningDataModule):
-    """The training examples, from any source, as batches of B queries x N documents: triples from an MS
-    MARCO-style TSV (text triples, or id triples with their queries and collection) or mined from a BEIR training
-    split with BM25 hard negatives, or n-way examples (with or without teacher scores) from a ColBERTv2 file, a
-    TREC run, PyLate's layout or what ``hil teacher`` wrote. (Named ``TriplesDataModule`` before it served more than
-    triples; that name still imports, with a deprecation warning, until 0.3.0: ``hil.compat``.)
+    """The training examples, from any source, as batches of B queries x N documents.
 
-    Files are read from disk by index (:mod:`hil.data.triples_file`, :mod:`hil.data.example_sources`): any size
-    trains in bounded memory, and every rank and loader worker shares the same memory-mapped line offsets. Their
-    batches are those an in-memory list of the same triples would give.
+    The source is one setting, ``source``: a reader chosen by ``class_path``, with its own settings
+    (:class:`~hil.data.examples.ExampleReader`). The built-in ones: text triples
+    (:class:`~hil.data.triples_file.TextTriples`), id triples with their queries and collection
+    (:class:`~hil.data.triples_file.IdTriples`), triples mined from a BEIR training split with BM25 hard negatives
+    (:class:`~hil.data.triples.MinedTriples`), n-way examples with or without teacher scores from a ColBERTv2 file
+    (:class:`~hil.data.nway_files.NWayExamples`), a TREC run (:class:`~hil.data.run_examples.TrecRun`), PyLate's
+    layout (:class:`~hil.data.pylate_files.PyLateExamples`) or what ``hil teacher`` wrote
+    (:class:`~hil.data.teacher_output.TeacherOutput`). The settings below are the ones every reader shares.
+    (Named ``TriplesDataModule`` before it served more than triples; that name still imports, with a deprecation
+    warning, until 0.3.0: ``hil.compat``.)
+
+    Files are read from disk by index: any size trains in bounded memory, and every rank and loader worker shares
+    the same memory-mapped line offsets. Their batches are those an in-memory list of the same triples would give.
 
     Args:
-        triples: a ``query TAB positive TAB negative`` file (a path, or relative to ``HIL_DATA_DIR``), e.g. MS
-            MARCO's ``triples.train.small.tsv``. A ``.gz`` file is read into memory instead.
-        id_triples, queries, collection: the id layout instead (Stanford ColBERT's and the HIL authors'):
-            ``qid TAB positive pid TAB negative pid`` (``qidpidtriples.train.full.2.tsv``), ``qid TAB text``
-            (``queries.train.tsv``) and ``pid TAB text`` (``collection.tsv``); all three are needed together.
-        beir: a BEIR dataset name or folder; its ``qrels/<beir_split>.tsv`` positives get BM25-mined negatives.
-        nway_examples: ColBERTv2's n-way examples, JSON lines ``[qid, [pid, score], ...]`` (or ``[qid, pid, ...]``
-            without scores: the first the positive), with ``queries`` and ``collection``.
-        run: a TREC run whose scores are a teacher's (Lightning IR's ``RunDataset``), with ``queries``,
-            ``collection``, ``nway`` and optionally ``qrels``; ``run_depth``, ``run_selection``,
-            ``run_positives``, ``run_targets``, ``relevance_level`` and ``short_queries`` choose each query's
-            documents (:mod:`hil.data.run_examples`).
-        pylate: PyLate's examples (``query_id``, ``document_ids``, ``scores``; JSON lines or Parquet), with
-            ``queries`` and ``collection`` (``id TAB text``, or PyLate's text tables).
-        teacher_output: the examples file ``hil teacher`` wrote, alone: its layout, ``queries``, ``collection`` and
-            ``nway`` are read from its ``.meta.json`` (:mod:`hil.data.teacher_output`); ``nway`` may be lowered.
-            Exactly one of ``triples``, ``id_triples``, ``beir``, ``nway_examples``, ``run``, ``pylate`` and
-            ``teacher_output``.
+        source: the reader of the training examples, e.g. ``{class_path: hil.data.triples_file.TextTriples,
+            init_args: {path: msmarco/triples.train.small.tsv}}`` (relative paths are also looked for under
+            ``HIL_DATA_DIR``).
         nway: documents per example (the first ``nway`` of each line of an n-way or PyLate file; None: all, the same
-            on every line); required with ``run``. Triples are N = 2.
+            on every line); required by ``TrecRun``. Triples are N = 2.
         max_triples: keep only the first N triples or examples (smoke runs).
         batch_size: triples (examples) per optimizer step on each device.
         num_workers: loader processes reading and tokenizing batches ahead of the training step (0: in the
             training process, between steps).
-        seed: fixes the shuffling order of every epoch (and ``run_selection: sample``'s draw).
+        shuffle: a new order every epoch (False: the file's order).
+        seed: fixes the shuffling order of every epoch (and a reader's draws: ``TrecRun``'s ``selection: sample``,
+            ``MinedTriples``' negatives).
+        data_dir: where relative paths are also looked for (default ``$HIL_DATA_DIR``).
         idf_source, idf_max_docs: the collection an encoder that weights query terms (ColBERT-HIL) takes its IDF
             from at the start of training, when it has none yet (a model from ``init_from`` or a resumed
             checkpoint keeps its own); see :func:`idf_source_documents`. Ignored by other encoders.
         cache_dir: where the line offsets of the files are kept; default ``$HIL_CACHE_DIR``, else beside the data
             when its folder is writable, else ``~/.cache/hil`` (:func:`hil.data.line_index.cache_file`).
+        old_keys: the spelling before 0.3 (``triples=``, ``teacher_output=``, ``run_depth=``, ...), read as
+            ``source`` with a deprecation warning until 0.4.0 (:mod:`hil.data.old_source_keys`).
     """
 
-    def __init__(self, triples: str | None = None, beir: str | None = None, beir_split: str = "train",
-                 negatives_per_query: int = 1, bm25_depth: int = 100, max_triples: int | None = None,
+    def __init__(self, source: ExampleReader | None = None, nway: int | None = None, max_triples: int | None = None,
                  batch_size: int = 32, num_workers: int = 0, shuffle: bool = True, seed: int = 12345,
                  data_dir: str | None = None, idf_source: str = "train", idf_max_docs: int | None = None,
-                 id_triples: str | None = None, queries: str | None = None, collection: str | None = None,
-                 cache_dir: str | None = None, nway_examples: str | None = None, run: str | None = None,
-                 pylate: str | None = None, nway: int | None = None, qrels: str | None = None,
-                 run_depth: int | None = None, run_selection: str = "top", run_positives: str = "none",
-                 run_targets: str = "scores", relevance_level: int = 1, short_queries: str = "error",
-                 teacher_output: str | None = None):
+                 cache_dir: str | None = None, **old_keys: Any):
         super().__init__()
-        sources = {"triples": triples, "id_triples": id_triples, "beir": beir, "nway_examples": nway_examples,
-                   "run": run, "pylate": pylate, "teacher_output": teacher_output}
-        given = [name for name, value in sources.items() if value is not None]
-        if len(given) != 1:
-            raise ValueError("data: give exactly one of `triples` (a TSV of text triples), `id_triples` (a TSV of "
-                             "qid, pid, pid with `queries` and `collection`), `beir` (a dataset to mine triples "
-                             "from), `nway_examples`, `run` or `pylate` (n-way examples with `queries` and "
-                             f"`collection`), `teacher_output` (what `hil teacher` wrote); got {given or 'none'}"
-                             + (" (set data.triples: null, as the distillation variants do)"
-                                if "triples" in given else ""))
-        if teacher_output is not None:
-            if queries is not None or collection is not None:
-                raise ValueError("data.teacher_output reads `queries` and `collection` from its .meta.json: "
-                                 "give neither")
-            from hil.data.teacher_output import teacher_output_source
+        if old_keys:
+            from hil.data.old_source_keys import reader_from_old_keys
 
-            recorded = teacher_output_source(teacher_output, data_dir)
-            if nway is not None and nway > int(recorded["nway"]):
-                raise ValueError(f"data.nway {nway} is more than the {recorded['nway']} documents per query "
-                                 f"`hil teacher` wrote ({teacher_output})")
-            nway = nway if nway is not None else int(recorded["nway"])
-            queries, collection = str(recorded["queries"]), str(recorded["collection"])
-            key = next(name for name in EXAMPLE_SOURCES if name in recorded)
-            nway_examples, run, pylate = (str(recorded[key]) if name == key else None for name in EXAMPLE_SOURCES)
-            given = [key]
-        (source,) = given
-        with_texts = source in ("id_triples", *EXAMPLE_SOURCES)
-        if with_texts and (queries is None or collection is None):
-            raise ValueError(f"data: `{source}`, `queries` and `collection` go together (`queries` and "
-                             f"`collection` hold the texts by id)")
-        if not with_texts and (queries is not None or collection is not None):
-            raise ValueError("data: `queries` and `collection` go together with `id_triples`, `nway_examples`, "
-                             "`run` or `pylate`")
-        if nway is not None and source not in EXAMPLE_SOURCES:
-            raise ValueError(f"data.nway applies to n-way examples (`nway_examples`, `run`, `pylate`); `{source}` "
-                             f"gives triples (N = 2)")
+            source = reader_from_old_keys(old_keys, source)
+        if not isinstance(source, ExampleReader):
+            raise UserError("data.source: give the reader of the training examples, e.g. {class_path: "
+                            "hil.data.triples_file.TextTriples, init_args: {path: msmarco/triples.train.small.tsv}}"
+                            + ("" if source is None else f" (got {type(source).__name__})"))
+        if nway is not None and source.n_documents is not None:
+            raise UserError(f"data.nway applies to n-way examples; {type(source).__name__} gives examples of "
+                            f"{source.n_documents} documents")
         if batch_size < 1:
-            raise ValueError(f"data.batch_size must be >= 1 (got {batch_size})")
+            raise UserError(f"data.batch_size must be >= 1 (got {batch_size})")
         if idf_max_docs is not None and idf_max_docs < 1:
-            raise ValueError(f"data.idf_max_docs must be >= 1 or null (got {idf_max_docs})")
-        self.save_hyperparameters()
-        if teacher_output is not None:  # what the .meta.json said, recorded as used (LightningCLI hands
-            # save_hyperparameters the arguments as given, not these resolved values)
-            self.hparams.update(nway_examples=nway_examples, run=run, pylate=pylate, queries=queries,
-                                collection=collection, nway=nway)
-        self.source_kind = source
-        self.train_dataset: TrainingTriples | None = None
+            raise UserError(f"data.idf_max_docs must be >= 1 or null (got {idf_max_docs})")
+        # the reader that reads (a TeacherOutput: the one its record names) and its settings, checked before any work
+        self.reader, self.read = source.resolve(ReadSettings(nway, max_triples, seed, cache_dir, data_dir))
+        # recorded as used (a TeacherOutput's reader and nway), plain values: a checkpoint loads with weights_only
+        self.save_hyperparameters({
+            "source": self.reader.record(), "nway": self.read.nway, "max_triples": max_triples,
+            "batch_size": batch_size, "num_workers": num_workers, "shuffle": shuffle, "seed": seed,
+            "data_dir": data_dir, "idf_source": idf_source, "idf_max_docs": idf_max_docs, "cache_dir": cache_dir})
+        self.train_dataset: ExampleSource | None = None
         self.tokenizer: ColBERTTokenizer | None = None  # set by tokenize_with: batches are then tokenized
 
     def tokenize_with(self, tokenizer: ColBERTTokenizer | None) -> None:
@@ -395,63 +338,29 @@ class TrainingDataModule(pl.LightningDataModule):
                                     self.hparams.data_dir)
 
     def describe_source(self) -> str:
-        """The training source as its data key says it (``nway_examples=...``)."""
-        return f"data.{self.source_kind}={self.hparams[self.source_kind]}"
+        """The reader and its settings (``data.source=NWayExamples(path=..., ...)``)."""
+        return f"data.source={self.reader.describe()}"
 
     def has_teacher_scores(self) -> bool:
         """Whether the training examples carry teacher scores (read off the first one; call setup('fit') first)."""
         assert self.train_dataset is not None, "call setup('fit') first"
-        if self.source_kind not in EXAMPLE_SOURCES or len(self.train_dataset) == 0:
+        if len(self.train_dataset) == 0:
             return False
         first = self.train_dataset[0]
         return isinstance(first, ScoredExample) and first.scores is not None
 
-    def _file(self, name: str) -> Path:
-        return resolve_data_file(self.hparams[name], self.hparams.data_dir)
-
-    def open_examples(self) -> ExampleSource:
-        """The n-way examples of ``nway_examples``, ``run`` or ``pylate``, read by the format registered under that
-        key (:func:`~hil.data.example_sources.open_example_source`; every line checked when first opened)."""
-        from hil.data.example_sources import open_example_source
-
-        hp = self.hparams
-        return open_example_source(
-            self.source_kind, hp[self.source_kind], queries=hp.queries, collection=hp.collection, nway=hp.nway,
-            limit=hp.max_triples, cache_dir=hp.cache_dir, data_dir=hp.data_dir, seed=hp.seed, qrels=hp.qrels,
-            depth=hp.run_depth, selection=hp.run_selection, positives=hp.run_positives, targets=hp.run_targets,
-            relevance_level=hp.relevance_level, short_queries=hp.short_queries)
-
-    def load_dataset(self) -> TrainingTriples:
-        """The training triples: read by index from a file, or a list (BM25-mined, or a ``.gz`` file); or the n-way
-        examples."""
-        hp = self.hparams
-        if self.source_kind in EXAMPLE_SOURCES:
-            dataset = self.open_examples()
-        elif hp.id_triples is not None:
-            dataset = IdTriplesFile(self._file("id_triples"), self._file("queries"), self._file("collection"),
-                                    limit=hp.max_triples, cache_dir=hp.cache_dir)
-        elif hp.triples is not None and self._file("triples").suffix != ".gz":
-            dataset = TriplesFile(self._file("triples"), limit=hp.max_triples, cache_dir=hp.cache_dir)
-        elif hp.triples is not None:
-            dataset = TripleDataset(read_triples(self._file("triples"), limit=hp.max_triples))
-        else:
-            from hil.data.beir import load_beir
-
-            corpus = load_beir(hp.beir, split=hp.beir_split, data_dir=hp.data_dir)
-            triples = mine_bm25_triples(corpus, negatives_per_query=hp.negatives_per_query, depth=hp.bm25_depth,
-                                        seed=hp.seed)
-            dataset = TripleDataset(triples[: hp.max_triples] if hp.max_triples else triples)
+    def load_dataset(self) -> ExampleSource:
+        """The training examples, as the reader opens them (every line checked when first opened)."""
+        dataset = self.reader.open(self.read)
         if len(dataset) == 0:
-            raise ValueError("data: no training triples were loaded")
+            raise UserError(f"data.source: no training examples were loaded ({self.reader.describe()})")
         return dataset
 
     def prepare_data(self) -> None:
-        """Take the line offsets of the files once, before the ranks' ``setup`` (Lightning runs this on one process
-        per node first), so that the ranks map a finished cache instead of each scanning the file."""
-        hp = self.hparams
-        if self.source_kind in ("id_triples", *EXAMPLE_SOURCES) or (
-                hp.triples is not None and self._file("triples").suffix != ".gz"):
-            self.load_dataset()
+        """The reader's shared work (line offsets, checking, conversions), done once per node before the ranks'
+        ``setup`` (Lightning runs this on one process per node first), so that the ranks map a finished cache
+        instead of each scanning the file."""
+        self.reader.prepare(self.read)
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_dataset is None and stage in (None, "fit"):

@@ -2,14 +2,24 @@
 
 A triple (:class:`hil.data.triples.Triple`) is the N = 2 case without teacher scores. Every training source (text
 or id triples, ColBERTv2 n-way files, TREC runs with teacher scores, PyLate's layout) yields these; the collate
-step turns B of them into a batch of B queries x N documents (``hil.data.datamodule``).
+step turns B of them into a batch of B queries x N documents (``hil.data.datamodule``). Each source is an
+:class:`ExampleReader` (its typed settings, chosen in a config by ``class_path``) that opens an
+:class:`ExampleSource` with the data module's :class:`ReadSettings`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import math
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Protocol, runtime_checkable
+import os
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Iterator, Protocol, runtime_checkable
+
+from hil.errors import MissingInputError
+from hil.paths import resolve_data_file
 
 
 @dataclass(frozen=True)
@@ -46,7 +56,8 @@ class ScoredExample:
 
 @runtime_checkable
 class ExampleSource(Protocol):
-    """What training reads examples from (indexed, so a sampler can shard and resume it exactly)."""
+    """What training reads examples from (indexed, so a sampler can shard and resume it exactly); triples'
+    items are :class:`~hil.data.triples.Triple`, the N = 2 case."""
 
     def __len__(self) -> int: ...
 
@@ -60,33 +71,80 @@ class ExampleSource(Protocol):
 
 
 @dataclass(frozen=True)
-class ExampleReader:
-    """A format of training examples: the data module's key that names its file (``data.<key>``), the function that
-    opens it -- ``open(source, queries, collection, *, nway, limit, check, cache_dir, seed, **settings)`` -> an
-    :class:`ExampleSource` -- the settings only this format takes, with their defaults (another format refuses one
-    that a user set), and which of those are files (found under ``data_dir`` like the source)."""
+class ReadSettings:
+    """The data module's own settings, shared by every reader (``data.nway``, ``data.max_triples``, ...): what a
+    reader opens its files with, besides its own settings.
 
-    key: str
-    open: Callable[..., ExampleSource]
-    settings: Mapping[str, Any] = field(default_factory=dict)
-    files: tuple[str, ...] = ()
+    Args:
+        nway: documents per example (the first ``nway`` of each example; None: the reader's own number).
+        limit: the first ``limit`` examples only (``data.max_triples``).
+        seed: the data's seed, for a reader that samples (a run's random selection, BM25 mining).
+        cache_dir: where line offsets, checking records and conversions go.
+        data_dir: where relative paths are also looked for (default ``$HIL_DATA_DIR``).
+        check: check every line when opening (the readers that check up front).
+    """
+
+    nway: int | None = None
+    limit: int | None = None
+    seed: int = 0
+    cache_dir: str | os.PathLike | None = None
+    data_dir: str | os.PathLike | None = None
+    check: bool = True
+
+    def file(self, option: str, value: str | os.PathLike) -> Path:
+        """``value`` as a path, or under ``data_dir`` (``HIL_DATA_DIR``); a missing file is a
+        :class:`~hil.errors.MissingInputError` naming ``option``."""
+        try:
+            return resolve_data_file(value, self.data_dir)
+        except FileNotFoundError as error:
+            raise MissingInputError(f"{option}: {error}") from None
 
 
-EXAMPLE_READERS: dict[str, ExampleReader] = {}  # key -> reader; filled by @example_reader where each reader lives
+class ExampleReader(ABC):
+    """Where training examples come from and how they are read: the data module's ``data.source``, chosen by
+    ``class_path`` as Lightning IR chooses its datasets, e.g. ::
 
+        data:
+          source:
+            class_path: hil.data.triples_file.TextTriples
+            init_args: {path: msmarco/triples.train.small.tsv}
 
-def example_reader(key: str, files: tuple[str, ...] = (), **settings: Any) -> Callable[[Callable[..., ExampleSource]],
-                                                                                   Callable[..., ExampleSource]]:
-    """Register the decorated opener as the reader of ``data.<key>`` files (:class:`ExampleReader`): a new format
-    is its reader module and its key among the data module's arguments, nothing else."""
+    A reader is a class (a frozen dataclass for the built-ins) whose typed ``__init__`` holds the settings only it
+    takes, documented in its docstring's ``Args:`` (``hil fit --help`` shows them), and :meth:`open`, which gives
+    its examples as an indexed :class:`ExampleSource` under the data module's shared :class:`ReadSettings`. Making a
+    reader does no work. A new format is one module: its dataset and its reader, named by ``class_path`` in a config
+    (``tests/test_extension_points.py`` trains through ``hil fit`` from one defined outside the package).
+    """
 
-    def register(opener: Callable[..., ExampleSource]) -> Callable[..., ExampleSource]:
-        known = EXAMPLE_READERS.get(key)
-        if known is not None and (known.open.__module__, known.open.__qualname__) != \
-                (opener.__module__, opener.__qualname__):  # a module imported again replaces its own
-            raise ValueError(f"two example readers are registered as {key!r}")
-        EXAMPLE_READERS[key] = ExampleReader(key, opener, settings, files)
-        return opener
+    n_documents: ClassVar[int | None] = None  # a fixed N of every example (triples: 2); None: ``data.nway`` applies
 
-    return register
+    def resolve(self, read: ReadSettings) -> tuple[ExampleReader, ReadSettings]:
+        """The reader that reads and the settings it reads with, checked when the data module is made (before any
+        model is loaded): a wrong combination is a :class:`~hil.errors.UserError` naming it. The default: this
+        reader, ``read`` as given."""
+        return self, read
 
+    @abstractmethod
+    def open(self, read: ReadSettings) -> ExampleSource:
+        """The examples, indexed (a sampler shards and resumes them); bad data is a
+        :class:`~hil.errors.DataFormatError` naming file and line."""
+
+    def prepare(self, read: ReadSettings) -> None:
+        """Work every rank would otherwise repeat (line offsets, conversions), done once per node before the ranks
+        open the examples. The default: nothing."""
+
+    def settings(self) -> dict[str, Any]:
+        """The reader's own settings by name (a dataclass's fields; else its ``__init__`` parameters read back)."""
+        if dataclasses.is_dataclass(self):
+            return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        names = [name for name, parameter in inspect.signature(type(self)).parameters.items()
+                 if parameter.kind not in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD)]
+        return {name: getattr(self, name, None) for name in names}
+
+    def record(self) -> dict[str, Any]:
+        """``{"class_path": ..., "init_args": ...}``: how a config names this reader (what a run records)."""
+        return {"class_path": f"{type(self).__module__}.{type(self).__qualname__}", "init_args": self.settings()}
+
+    def describe(self) -> str:
+        """``Name(setting=value, ...)``: the reader and every one of its settings, for messages."""
+        return f"{type(self).__name__}({', '.join(f'{k}={v}' for k, v in self.settings().items())})"

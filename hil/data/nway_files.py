@@ -1,8 +1,8 @@
 """N-way training examples, one JSON value a line, read by byte offset: ColBERTv2's examples files and PyLate's
 distillation layout in JSON lines.
 
-**ColBERTv2** (:class:`NWayFile`), the files Stanford ColBERT trains and distils from (``examples.64.json``), with
-``queries.tsv`` (``qid TAB text``) and ``collection.tsv`` (``pid TAB text``)::
+**ColBERTv2** (:class:`NWayFile`; in a config :class:`NWayExamples`), the files Stanford ColBERT trains and distils
+from (``examples.64.json``), with ``queries.tsv`` (``qid TAB text``) and ``collection.tsv`` (``pid TAB text``)::
 
     [qid, [pid, score], [pid, score], ...]     a teacher score per passage (distillation)
     [qid, pid, pid, ...]                       no scores: the first passage is the positive
@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import ast
 import os
+from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
 from typing import Any, Iterator
@@ -58,7 +59,7 @@ from hil.data.example_files import (
     settings_key,
     text_of,
 )
-from hil.data.examples import ScoredExample, example_reader
+from hil.data.examples import ExampleReader, ReadSettings, ScoredExample
 from hil.data.id_texts import IdTextFile
 from hil.data.line_index import LineIndex
 from hil.errors import DataFormatError
@@ -207,12 +208,28 @@ class NWayFile(JsonLinesExamples):
         return qid, pids, scores if scored else None
 
 
-@example_reader("nway_examples")
-def open_nway_file(source: str | os.PathLike, queries: str | os.PathLike, collection: str | os.PathLike, *,
-                   nway: int | None = None, limit: int | None = None, check: bool = True,
-                   cache_dir: str | os.PathLike | None = None, seed: int = 0) -> NWayFile:
-    """``data.nway_examples``: ColBERTv2's n-way examples (:class:`NWayFile`; ``seed`` unused: nothing is sampled)."""
-    return NWayFile(source, queries, collection, nway, limit, check, cache_dir)
+@dataclass(frozen=True)
+class NWayExamples(ExampleReader):
+    """ColBERTv2's n-way examples, ``[qid, [pid, score], ...]`` (teacher scores) or ``[qid, pid, ...]`` (the first
+    the positive) a line, their texts looked up by id (:class:`NWayFile`; the first ``data.nway`` of each line).
+
+    Args:
+        path: the examples file (``examples.64.json``).
+        queries: ``qid TAB text`` (``queries.tsv``).
+        collection: ``pid TAB text`` (``collection.tsv``).
+    """
+
+    path: str
+    queries: str
+    collection: str
+
+    def open(self, read: ReadSettings) -> NWayFile:
+        return NWayFile(read.file("NWayExamples.path", self.path), read.file("NWayExamples.queries", self.queries),
+                        read.file("NWayExamples.collection", self.collection), read.nway, read.limit, read.check,
+                        read.cache_dir)
+
+    def prepare(self, read: ReadSettings) -> None:
+        self.open(read)  # the line offsets and the checking pass, once for every rank
 
 
 def _list_field(path: Path, line: int, record: dict[str, Any], name: str) -> list[Any]:
@@ -250,7 +267,8 @@ def parse_pylate(path: Path, line: int, record: Any) -> Record:
 
 class PyLateFile(JsonLinesExamples):
     """PyLate's distillation layout in JSON lines (module docstring); ``queries`` and ``collection`` are ``id TAB
-    text`` files (:func:`hil.data.pylate_files.open_pylate` converts PyLate's own tables and Parquet files)."""
+    text`` files (:func:`hil.data.pylate_files.open_pylate` converts PyLate's own tables and Parquet files; its
+    reader is :class:`hil.data.pylate_files.PyLateExamples`)."""
 
     layout = "PyLate"
     kind = "PyLate examples"

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Callable, Iterator
 
@@ -28,7 +29,7 @@ import numpy as np
 
 from hil.data.beir_files import iter_text_lines
 from hil.data.example_files import file_key, json_id, parse_json
-from hil.data.examples import example_reader
+from hil.data.examples import ExampleReader, ReadSettings
 from hil.data.id_texts import IdTextFile
 from hil.data.line_index import FileStamp, cache_file, load_cache, save_cache
 from hil.data.nway_files import PyLateFile, parse_pylate
@@ -162,12 +163,11 @@ def text_table(path: str | os.PathLike, id_column: str, what: str,
     return table
 
 
-@example_reader("pylate")
 def open_pylate(path: str | os.PathLike, queries: str | os.PathLike, documents: str | os.PathLike,
                 nway: int | None = None, limit: int | None = None, check: bool = True,
-                cache_dir: str | os.PathLike | None = None, seed: int = 0) -> PyLateFile:
-    """``data.pylate``: PyLate's distillation data (see the module docstring) as an indexed source of examples
-    (``seed`` unused: nothing is sampled).
+                cache_dir: str | os.PathLike | None = None) -> PyLateFile:
+    """PyLate's distillation data (see the module docstring) as an indexed source of examples (in a config, the
+    reader :class:`PyLateExamples`).
 
     Args:
         path: the examples, JSON lines or Parquet (``query_id``, ``document_ids``, ``scores``).
@@ -182,3 +182,29 @@ def open_pylate(path: str | os.PathLike, queries: str | os.PathLike, documents: 
         rows = converted(path, "rows", ".jsonl", lambda handle: _write_lines(handle, example_rows(path)), cache_dir)
         return PyLateFile(rows, query_table, document_table, nway, limit, check, cache_dir, shown_path=path)
     return PyLateFile(path, query_table, document_table, nway, limit, check, cache_dir)
+
+
+@dataclass(frozen=True)
+class PyLateExamples(ExampleReader):
+    """PyLate's distillation data (``lightonai/ms-marco-en-bge``'s layout): examples of ``query_id``,
+    ``document_ids`` and ``scores``, the texts in two tables, each file JSON lines or Parquet (the tables also
+    ``id TAB text``); the first ``data.nway`` documents of each example (:func:`open_pylate`).
+
+    Args:
+        path: the examples (``query_id``, ``document_ids``, ``scores``).
+        queries: the queries table (``query_id``, ``text``).
+        collection: the documents table (``document_id``, ``text``).
+    """
+
+    path: str
+    queries: str
+    collection: str
+
+    def open(self, read: ReadSettings) -> PyLateFile:
+        return open_pylate(read.file("PyLateExamples.path", self.path),
+                           read.file("PyLateExamples.queries", self.queries),
+                           read.file("PyLateExamples.collection", self.collection), read.nway, read.limit,
+                           read.check, read.cache_dir)
+
+    def prepare(self, read: ReadSettings) -> None:
+        self.open(read)  # the conversions, line offsets and checking pass, once for every rank

@@ -7,7 +7,8 @@ queries and the collection (``id TAB text``, :class:`~hil.data.id_texts.IdTextFi
 run writer groups them; ``hil.evaluation.runs.write_trec_run`` does): the run is indexed by the byte offset of each
 query's first line, and a query whose lines come back after another query's is refused naming that line.
 
-Which N documents an example holds, with Lightning IR's options beside (:class:`RunSettings`):
+Which N documents an example holds, with Lightning IR's options beside (:class:`RunSettings`; in a config, the
+reader :class:`TrecRun`):
 
 - ``depth``: a query's documents are ranked by score, ties by document id descending (trec_eval's order, used
   across this package: ``hil.evaluation.runs``), and the best ``depth`` are its candidates (None: all). Lightning IR
@@ -44,7 +45,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, NamedTuple
+from typing import Iterator, Literal, NamedTuple
 
 import numpy as np
 
@@ -59,7 +60,7 @@ from hil.data.example_files import (
     text_of,
     unknown,
 )
-from hil.data.examples import ScoredExample, example_reader
+from hil.data.examples import ExampleReader, ReadSettings, ScoredExample
 from hil.data.id_texts import IdTextFile
 from hil.data.line_index import LineIndex
 from hil.errors import DataFormatError, UserError
@@ -351,17 +352,55 @@ class RunExamples(ExamplesOnDisk):
                 f"{self.collection.describe()})")
 
 
-@example_reader("run", files=("qrels",), qrels=None, depth=None, selection="top", positives="none", targets="scores",
-                relevance_level=1, short_queries="error")
-def open_run(source: str | os.PathLike, queries: str | os.PathLike, collection: str | os.PathLike, *,
-             nway: int | None = None, limit: int | None = None, check: bool = True,
-             cache_dir: str | os.PathLike | None = None, seed: int = 0, qrels: str | os.PathLike | None = None,
-             depth: int | None = None, selection: str = "top", positives: str = "none", targets: str = "scores",
-             relevance_level: int = 1, short_queries: str = "error") -> RunExamples:
-    """``data.run``: a TREC run's examples (:class:`RunExamples`; every line is checked, whatever ``check``); the
-    settings are :class:`RunSettings`'s, ``seed`` its random selection's."""
-    if nway is None:
-        raise UserError("run needs nway (the documents chosen per query)")
-    settings = RunSettings(nway, depth, selection, positives, targets, relevance_level, seed, short_queries)
-    return RunExamples(source, queries, collection, settings, qrels, limit, cache_dir)
+@dataclass(frozen=True)
+class TrecRun(ExampleReader):
+    """A TREC run whose scores are a teacher's, one example of ``data.nway`` documents a query (:class:`RunExamples`;
+    Lightning IR's ``RunDataset``); how each query's documents are chosen: the module docstring
+    (:class:`RunSettings`, ``data.seed`` seeding ``selection: sample``).
 
+    Args:
+        path: the run, ``qid Q0 docid rank score tag`` a line.
+        queries: ``qid TAB text``.
+        collection: ``docid TAB text``.
+        qrels: judgments (BEIR's TSV or TREC's), needed by ``positives: first`` and ``targets: qrels``.
+        depth: a query's candidates: its best ``depth`` documents (None: all).
+        selection: ``top`` (the best N candidates) or ``sample`` (a seeded random N, in rank order).
+        positives: ``none``, or ``first``: the judged positive with the highest grade first.
+        targets: ``scores`` (the run's), ``qrels`` (the grades) or ``none`` (no scores: positive-first examples).
+        relevance_level: the least grade that counts as positive.
+        short_queries: a query with fewer than N candidates is an ``error`` or is ``skip``-ped (and counted).
+    """
+
+    path: str
+    queries: str
+    collection: str
+    qrels: str | None = None
+    depth: int | None = None
+    selection: Literal["top", "sample"] = "top"
+    positives: Literal["none", "first"] = "none"
+    targets: Literal["scores", "qrels", "none"] = "scores"
+    relevance_level: int = 1
+    short_queries: Literal["error", "skip"] = "error"
+
+    def run_settings(self, read: ReadSettings) -> RunSettings:
+        """How each query's documents are chosen (checked: a wrong value is one line naming it)."""
+        if read.nway is None:
+            raise UserError("TrecRun needs data.nway (the documents chosen per query)")
+        return RunSettings(read.nway, self.depth, self.selection, self.positives, self.targets,
+                           self.relevance_level, read.seed, self.short_queries)
+
+    def resolve(self, read: ReadSettings) -> tuple[ExampleReader, ReadSettings]:
+        settings = self.run_settings(read)
+        if settings.needs_qrels and self.qrels is None:
+            raise UserError(f"TrecRun: positives={self.positives!r} with targets={self.targets!r} needs qrels")
+        return self, read
+
+    def open(self, read: ReadSettings) -> RunExamples:
+        """Every line is checked, whatever ``read.check``."""
+        qrels = read.file("TrecRun.qrels", self.qrels) if self.qrels is not None else None
+        return RunExamples(read.file("TrecRun.path", self.path), read.file("TrecRun.queries", self.queries),
+                           read.file("TrecRun.collection", self.collection), self.run_settings(read), qrels,
+                           read.limit, read.cache_dir)
+
+    def prepare(self, read: ReadSettings) -> None:
+        self.open(read)  # the line offsets and the checking pass, once for every rank

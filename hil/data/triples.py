@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Iterator
 
-from hil.data.beir import BeirDataset
+from hil.data.beir import BeirDataset, load_beir
 from hil.data.beir_files import iter_text_lines
+from hil.data.examples import ExampleReader, ReadSettings
 from hil.errors import DataFormatError, UserError
 from hil.provenance import atomic_output
 
@@ -33,6 +34,34 @@ class Triple:
     query: str
     positive: str
     negative: str
+
+
+class TripleDataset:
+    """Triples held in a list (BM25-mined ones, a ``.gz`` file); the interface of the on-disk datasets."""
+
+    def __init__(self, triples: list[Triple], label: str = "triples"):
+        self.triples, self.label = triples, label
+
+    def __len__(self) -> int:
+        return len(self.triples)
+
+    def __getitem__(self, index: int) -> Triple:
+        return self.triples[index]
+
+    def __iter__(self) -> Iterator[Triple]:
+        return iter(self.triples)
+
+    def iter_passages(self) -> Iterator[str]:
+        """Positive then negative of each triple in order (repeats included)."""
+        for triple in self.triples:
+            yield triple.positive
+            yield triple.negative
+
+    def iter_queries(self) -> Iterator[str]:
+        return (triple.query for triple in self.triples)
+
+    def describe(self) -> str:
+        return f"{self.label} ({len(self.triples)} triples, in memory)"
 
 
 def parse_triple(path: str | os.PathLike, line: int, text: str) -> Triple:
@@ -139,3 +168,29 @@ def mine_bm25_triples(dataset: BeirDataset, negatives_per_query: int = 1, depth:
             chosen = rng.sample(candidates, min(negatives_per_query, len(candidates)))
             triples.extend(Triple(query, positive, _flat(dataset.doc_text(negative_id))) for negative_id in chosen)
     return triples
+
+
+@dataclass(frozen=True)
+class MinedTriples(ExampleReader):
+    """Triples mined from a BEIR dataset: its judged positives, each with BM25 hard negatives
+    (:func:`mine_bm25_triples`, seeded by ``data.seed``), held in memory.
+
+    Args:
+        dataset: a BEIR dataset name or folder (under ``HIL_DATA_DIR``), or an ir_datasets id.
+        split: whose ``qrels/<split>.tsv`` gives the positives.
+        negatives_per_query: BM25 negatives drawn for each positive.
+        depth: the negatives are drawn from BM25's top ``depth`` of each query.
+    """
+
+    dataset: str
+    split: str = "train"
+    negatives_per_query: int = 1
+    depth: int = 100
+    n_documents = 2
+
+    def open(self, read: ReadSettings) -> TripleDataset:
+        corpus = load_beir(self.dataset, split=self.split, data_dir=read.data_dir)
+        triples = mine_bm25_triples(corpus, negatives_per_query=self.negatives_per_query, depth=self.depth,
+                                    seed=read.seed)
+        return TripleDataset(triples[: read.limit] if read.limit else triples,
+                             f"BM25-mined from {self.dataset} ({self.split})")

@@ -16,12 +16,14 @@ page cache by every rank and loader worker) and, for ids that are not ``0..N-1``
 :class:`DataFormatError` naming file and physical line. Every line's UTF-8 and column count are checked when the
 offsets are first taken; the rest (an empty column, an unknown id) when the item is read.
 
-Both pickle cheaply (paths and cache locations; the arrays are mapped again in the new process).
+Both pickle cheaply (paths and cache locations; the arrays are mapped again in the new process). Their readers,
+named by ``class_path`` in ``data.source``: :class:`TextTriples` and :class:`IdTriples`.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
 from typing import Iterator
@@ -30,9 +32,10 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from hil.data.beir_files import checked_id, iter_text_lines
+from hil.data.examples import ExampleReader, ReadSettings
 from hil.data.id_texts import IdTextFile
 from hil.data.line_index import LineIndex, sequence_position
-from hil.data.triples import Triple, parse_triple
+from hil.data.triples import Triple, TripleDataset, parse_triple, read_triples
 from hil.errors import DataFormatError, UserError
 
 _CHUNK = 4096  # triples whose ids are looked up together when streaming
@@ -190,3 +193,51 @@ class IdTriplesFile(_TriplesOnDisk):
     def describe(self) -> str:
         return f"{self.path} ({self.size} triples; {self.queries.describe()}; {self.collection.describe()})"
 
+
+
+@dataclass(frozen=True)
+class TextTriples(ExampleReader):
+    """Text triples, ``query TAB positive TAB negative`` a line (MS MARCO's ``triples.train.small.tsv``), read
+    from disk by index (:class:`TriplesFile`: any size in bounded memory); a ``.gz`` file is read into memory.
+
+    Args:
+        path: the triples file (a path, or relative to ``HIL_DATA_DIR``).
+    """
+
+    path: str
+    n_documents = 2
+
+    def open(self, read: ReadSettings) -> TriplesFile | TripleDataset:
+        path = read.file("TextTriples.path", self.path)
+        if path.suffix == ".gz":  # not readable by offset
+            return TripleDataset(read_triples(path, limit=read.limit), str(path))
+        return TriplesFile(path, limit=read.limit, cache_dir=read.cache_dir)
+
+    def prepare(self, read: ReadSettings) -> None:
+        if not str(self.path).endswith(".gz"):
+            self.open(read)  # the line offsets, taken once for every rank
+
+
+@dataclass(frozen=True)
+class IdTriples(ExampleReader):
+    """Id triples, ``qid TAB positive pid TAB negative pid`` a line, their texts looked up by id
+    (:class:`IdTriplesFile`): the layout Stanford ColBERT and the HIL authors train from.
+
+    Args:
+        path: the id triples (``qidpidtriples.train.full.2.tsv``).
+        queries: ``qid TAB text`` (``queries.train.tsv``).
+        collection: ``pid TAB text`` (``collection.tsv``).
+    """
+
+    path: str
+    queries: str
+    collection: str
+    n_documents = 2
+
+    def open(self, read: ReadSettings) -> IdTriplesFile:
+        return IdTriplesFile(read.file("IdTriples.path", self.path), read.file("IdTriples.queries", self.queries),
+                             read.file("IdTriples.collection", self.collection), limit=read.limit,
+                             cache_dir=read.cache_dir)
+
+    def prepare(self, read: ReadSettings) -> None:
+        self.open(read)

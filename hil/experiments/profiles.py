@@ -151,7 +151,8 @@ class TrainingBudget:
             config = _merged(config, yaml.safe_load(path.read_text(encoding="utf-8")) or {})
         trainer, model, data = config["trainer"], config["model"], config["data"]
         encoder = model["encoder"]["init_args"]
-        return cls(backbone=encoder["backbone"], triples=data["triples"], max_triples=data.get("max_triples"),
+        triples = data["source"]["init_args"]["path"]  # the presets' reader: hil.data.triples_file.TextTriples
+        return cls(backbone=encoder["backbone"], triples=triples, max_triples=data.get("max_triples"),
                    max_steps=int(trainer["max_steps"]), batch_size=int(data["batch_size"]),
                    lr=float(model["optimizer"]["init_args"]["lr"]),
                    warmup_steps=int(model["lr_scheduler"]["init_args"]["warmup_steps"]),

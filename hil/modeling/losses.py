@@ -166,7 +166,7 @@ class InBatchCE(Term):
 def _teacher(term: Term, batch: RankingBatch) -> torch.Tensor:
     if batch.teacher_scores is None:
         raise UserError(f"{type(term).__name__} needs teacher scores, and this batch has none: train from "
-                        f"examples with scores (data.nway_examples, data.run or data.pylate)")
+                        f"examples with scores (data.source: NWayExamples, TrecRun, PyLateExamples or TeacherOutput)")
     return batch.teacher_scores
 
 

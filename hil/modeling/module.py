@@ -222,8 +222,8 @@ class RetrieverModule(pl.LightningModule):
             if self.needs_teacher_scores and not datamodule.has_teacher_scores():
                 wanting = [type(named.term).__name__ for named in self.objective() if named.term.needs_teacher_scores]
                 raise UserError(f"{', '.join(wanting)} needs teacher scores, but the training data "
-                                f"({datamodule.describe_source()}) has none: give data.nway_examples, data.run or "
-                                f"data.pylate with scores")
+                                f"({datamodule.describe_source()}) has none: give a data.source with scores "
+                                f"(NWayExamples, TrecRun, PyLateExamples or TeacherOutput)")
             if self.encoder.needs_idf:
                 found = datamodule.idf_documents()
                 if found is not None:  # None: uniform weights (data.idf_source: none)
