@@ -7,6 +7,8 @@ the reference is written as loops, documents sorted by ``(-score, doc_id)``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import pytest
 
@@ -14,6 +16,7 @@ from hil.errors import UserError
 from hil.retrieval.backends.configs import (
     REGISTRY,
     IvfFlatIndexConfig,
+    IvfSearchConfig,
     PlaidIndexConfig,
     PlaidSearchConfig,
     configs_from_params,
@@ -110,6 +113,59 @@ def test_plaid_search_settings_are_the_search_config_and_never_the_index(indexes
     assert "nprobe" not in indexes["plaid"].backend_settings["params"]
     overridden = open_backend(indexes["plaid"], PlaidSearchConfig(nprobe=3, ndocs=5, stage2_docs=7))
     assert overridden.search_stats() == {"backend": "plaid", "nprobe": 3, "ndocs": 5, "stage2_docs": 7}
+
+
+def test_each_kind_is_one_registry_entry_with_its_settings_beside_its_searcher():
+    """One entry per kind holds the back-end class and its settings classes; a built-in's settings are defined in
+    the module beside its searcher's (``centroid`` -> ``centroid_configs``), exported by the registry's module and
+    recorded under it: the name YAML recipes use, and the identity of results written before they moved."""
+    from hil.retrieval.backends import configs
+
+    for kind in EVERYTHING:
+        entry = REGISTRY[kind]
+        assert (entry.backend.kind, entry.backend.index_config, entry.backend.search_config) == (
+            kind, entry.index_config, entry.search_config)
+        for settings in (entry.index_config, entry.search_config):
+            assert settings.__module__ == f"{entry.backend.__module__}_configs", settings
+            assert getattr(configs, settings.__name__) is settings
+            assert settings().record()["class_path"] == f"hil.retrieval.backends.configs.{settings.__name__}"
+
+    @dataclass(frozen=True)
+    class Narrower(PlaidSearchConfig):  # settings defined elsewhere, on a built-in's: recorded where they are
+        pass
+
+    assert Narrower().record()["class_path"] == f"{__name__}.Narrower"
+
+
+def test_a_kind_is_registered_once():
+    """A second back-end class for a kind, or a kind registered again with other settings, is refused when the
+    class is defined; the registry keeps the first."""
+    from hil.retrieval.backends.base import SearchBackend
+    from hil.retrieval.backends.centroid import PlaidBackend
+
+    with pytest.raises(ValueError, match="'plaid' is already registered with PlaidIndexConfig / PlaidSearchConfig"):
+        class OtherSettings(SearchBackend):
+            kind, index_config, search_config = "plaid", PlaidIndexConfig, IvfSearchConfig
+    with pytest.raises(ValueError, match="'plaid' is already PlaidBackend"):
+        class SecondPlaid(SearchBackend):
+            kind, index_config, search_config = "plaid", PlaidIndexConfig, PlaidSearchConfig
+    with pytest.raises(ValueError, match="PlaidIndexConfig.kind must be 'plaid2'"):
+        class Misnamed(SearchBackend):
+            kind, index_config, search_config = "plaid2", PlaidIndexConfig, PlaidSearchConfig
+    assert REGISTRY["plaid"].backend is PlaidBackend and "plaid2" not in REGISTRY
+
+
+def test_the_views_of_the_two_registries_before_0_3_warn_and_read_the_one():
+    from hil.retrieval.backends import configs, registry
+
+    with pytest.warns(DeprecationWarning, match="REGISTRY"):
+        assert configs.INDEX_CONFIGS == {kind: entry.index_config for kind, entry in REGISTRY.items()}
+    with pytest.warns(DeprecationWarning, match="REGISTRY"):
+        assert configs.SEARCH_CONFIGS == {kind: entry.search_config for kind, entry in REGISTRY.items()}
+    with pytest.warns(DeprecationWarning, match="backend_kinds"):
+        assert configs.BACKEND_KINDS == registry.BACKEND_KINDS == tuple(REGISTRY) == tuple(configs.BACKEND_CHOICES)
+    with pytest.warns(DeprecationWarning, match="backend_class"):
+        assert registry.BACKENDS == {kind: entry.backend for kind, entry in REGISTRY.items()}
 
 
 def test_unknown_kind_is_refused_with_the_known_ones():

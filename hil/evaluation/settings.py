@@ -44,9 +44,11 @@ class EvaluationSettings:
             the query's is skipped before the top-k cut (k other documents are ranked, as BEIR retrieves k + 1 and
             skips it), by every search and by BM25; metrics drop it too.
         index_root: where indexes live (``<root>/<dataset>-<fp>/<encoder fp>``); None encodes in memory.
-        backend: the index's search back-end: a kind (``flat``, ``ivfflat``, ``ivfpq``, ``plaid``, with its
-            defaults) or its build-time settings (an :class:`~hil.retrieval.backends.configs.IndexConfig`); after
-            construction always the latter. A reused index is compared on these only.
+        backend: the index's search back-end: a registered kind with its defaults (``flat``, ``ivfflat``,
+            ``ivfpq``, ``plaid``, ``muvera``, or one defined outside the package:
+            :data:`~hil.retrieval.backends.configs.REGISTRY`) or its build-time settings (an
+            :class:`~hil.retrieval.backends.configs.IndexConfig`); after construction always the latter. A reused
+            index is compared on these only.
         search: the back-end's search-time settings (a :class:`~hil.retrieval.backends.configs.SearchConfig`;
             None: its defaults, :attr:`resolved_search`), applied at every search; the results record the values
             the back-end used.

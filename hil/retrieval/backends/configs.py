@@ -23,7 +23,7 @@ An untyped ``faiss_params`` / ``backend_params`` dict (the spelling before these
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
@@ -110,10 +110,14 @@ def backend_kinds() -> tuple[str, ...]:
     return tuple(REGISTRY)
 
 
-class RegisteredKinds(Sequence[str]):
+class RegisteredKinds(list):
     """The registered kinds as a command's ``--backend`` choices: read from :data:`REGISTRY` whenever they are
     asked for (an option checked, ``--help`` shown), not when the parser is built, so that a back-end defined
-    after that, outside the package, is among them."""
+    after that, outside the package, is among them. A ``list`` that holds nothing itself only because jsonargparse
+    copies choices of any other type into a tuple when the option is declared, which would freeze them."""
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(backend_kinds())
 
     def __getitem__(self, index: Any) -> Any:
         return backend_kinds()[index]
