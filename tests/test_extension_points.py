@@ -5,12 +5,12 @@
   by being defined) + a recipe: ``hil evaluate`` builds, records and searches it, with no line of the package
   changed;
 - a new metric = one entry in one file (``hil/evaluation/metrics.py``'s measure tables), equal to pytrec_eval's;
-- a new training data reader = its module (an opener registered under its data key, ``@example_reader``) + that key
-  among the data module's arguments: ``open_example_source`` reads it with no line of the package changed (the data
-  module's argument is the second file, shown by the built-in ``nway_examples`` / ``run`` / ``pylate``).
+- a new training data reader = one file (an ``ExampleReader``: its typed settings and ``open``) named by
+  ``class_path`` as ``data.source`` in a config: ``hil fit`` trains from it, records it, and prints it in a config
+  that, fed back, is the same run, with no line of the package changed.
 
 Broken on purpose, each failing here: back-end classes not registered when defined (``__init_subclass__``), a term
-not called, the metric table entry left out.
+not called, the metric table entry left out, the data module opening anything but its ``data.source``.
 """
 
 from __future__ import annotations
@@ -87,6 +87,51 @@ class EveryDocBackend(SearchBackend):
 '''
 
 
+NEW_READER = '''
+from dataclasses import dataclass
+
+from hil.data.examples import ExampleReader, ReadSettings, ScoredExample
+
+
+class TabExamples(list):
+    """Examples held in a list: indexed, as training reads them."""
+
+    def iter_queries(self):
+        return (example.query for example in self)
+
+    def iter_passages(self):
+        return (text for example in self for text in example.documents)
+
+    def describe(self):
+        return f"{len(self)} tab examples"
+
+
+def _table(path):
+    return dict(line.split("\\t") for line in path.read_text(encoding="utf-8").splitlines())
+
+
+@dataclass(frozen=True)
+class TabFile(ExampleReader):
+    """``qid TAB pid TAB pid ...`` a line, the positive first, no scores; the texts in ``id TAB text`` files.
+
+    Args:
+        path: the examples.
+        queries: the query texts.
+        collection: the passage texts.
+    """
+
+    path: str
+    queries: str
+    collection: str
+
+    def open(self, read: ReadSettings) -> TabExamples:
+        queries, texts = _table(read.file("queries", self.queries)), _table(read.file("collection", self.collection))
+        rows = [line.split("\\t") for line in read.file("path", self.path).read_text(encoding="utf-8").splitlines()]
+        n = read.nway
+        return TabExamples(ScoredExample(queries[row[0]], tuple(texts[pid] for pid in row[1:][:n]), None,
+                                         (row[0], *row[1:][:n])) for row in rows[:read.limit])
+'''
+
 @pytest.fixture
 def outside(tmp_path, monkeypatch):
     """A folder outside the package on ``sys.path``, with the new modules written into it."""
@@ -94,9 +139,10 @@ def outside(tmp_path, monkeypatch):
     folder.mkdir()
     (folder / "my_loss.py").write_text(textwrap.dedent(NEW_LOSS))
     (folder / "my_backend.py").write_text(textwrap.dedent(NEW_BACKEND))
+    (folder / "my_reader.py").write_text(textwrap.dedent(NEW_READER))
     monkeypatch.syspath_prepend(str(folder))
     yield folder
-    for name in ("my_loss", "my_backend"):
+    for name in ("my_loss", "my_backend", "my_reader"):
         sys.modules.pop(name, None)
     REGISTRY.pop("every_doc", None)  # defined again (a new class) by the next test that imports it
 
@@ -183,43 +229,48 @@ def test_a_new_metric_is_one_entry_in_one_file(monkeypatch):
     assert {q: v["bpref"] for q, v in per_query.items()} == pytest.approx({q: direct[q]["bpref"] for q in qrels})
 
 
-def test_a_new_training_data_reader_is_its_module_registered_under_its_key(tmp_path, monkeypatch):
-    """A format of ``qid TAB pid TAB pid ...`` lines (positive first, no scores), defined here: the generic opener
-    reads it, with its texts, and refuses another format's settings; the package is not edited."""
-    from hil.data import examples as registry
-    from hil.data.example_sources import open_example_source
-    from hil.data.examples import ScoredExample, example_reader
-    from hil.errors import UserError
+@pytest.mark.integration
+def test_a_new_training_data_reader_is_one_file_named_by_class_path(outside, tmp_path, shared_dir, capsys):
+    """A format of ``qid TAB pid TAB pid ...`` lines defined outside the package (``my_reader.TabFile``), named by
+    ``class_path`` in a config: ``hil fit`` trains from its examples (cut to ``data.nway``), records the reader it
+    read, and ``--print_config`` prints a config that, fed back, is the same run."""
+    from hil.cli.train import train_main
 
-    monkeypatch.setattr(registry, "EXAMPLE_READERS", dict(registry.EXAMPLE_READERS))  # registered for this test
-    monkeypatch.setattr("hil.data.example_sources.EXAMPLE_READERS", registry.EXAMPLE_READERS)
+    (tmp_path / "q.tsv").write_text("q1\twhat is isotropy\nq2\tmaxsim over tokens\n", encoding="utf-8")
+    (tmp_path / "c.tsv").write_text("a\tuniform directions\nb\tlate interaction\nc\tbm25 ranks terms\n",
+                                    encoding="utf-8")
+    (tmp_path / "ex.tab").write_text("q1\ta\tc\tb\nq2\tb\ta\tc\n", encoding="utf-8")
+    delta = outside / "tab.yaml"
+    delta.write_text(f"data:\n  source:\n    class_path: my_reader.TabFile\n    init_args: {{path: {tmp_path}/ex.tab, "
+                     f"queries: {tmp_path}/q.tsv, collection: {tmp_path}/c.tsv}}\n  nway: 2\n  batch_size: 2\n")
+    run = ["--trainer.max_steps", "2", "--trainer.logger", "false", "--trainer.enable_checkpointing", "false",
+           "--trainer.callbacks", "[]"]
 
-    class TabExamples(list):
-        def iter_queries(self):
-            return (example.query for example in self)
+    def fit(*configs: str, root: str) -> object:
+        return train_main(["fit", *configs, *run, "--trainer.default_root_dir", str(tmp_path / root)])
 
-        def iter_passages(self):
-            return (text for example in self for text in example.documents)
+    cli = fit("--config", "colbert", "--config", "presets/smoke", "--config", str(delta), root="run")
+    assert type(cli.datamodule.reader).__module__ == "my_reader" and cli.trainer.global_step == 2
+    dataset = cli.datamodule.train_dataset
+    assert [(e.query, e.documents) for e in dataset] == [
+        ("what is isotropy", ("uniform directions", "bm25 ranks terms")),
+        ("maxsim over tokens", ("late interaction", "uniform directions"))]
+    assert cli.datamodule.hparams.source == {"class_path": "my_reader.TabFile", "init_args": {
+        "path": f"{tmp_path}/ex.tab", "queries": f"{tmp_path}/q.tsv", "collection": f"{tmp_path}/c.tsv"}}
 
-        def describe(self):
-            return f"{len(self)} tab examples"
+    def printed(*configs: str) -> str:
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as done:
+            train_main(["fit", *configs, *run, "--print_config"])
+        assert done.value.code in (0, None)
+        return capsys.readouterr().out
 
-    @example_reader("tab_examples")
-    def open_tab(source, queries, collection, *, nway=None, limit=None, check=True, cache_dir=None, seed=0):
-        query_texts, texts = (dict(line.split("\t") for line in path.read_text(encoding="utf-8").splitlines())
-                              for path in (queries, collection))
-        rows = [line.split("\t") for line in source.read_text(encoding="utf-8").splitlines() if line]
-        return TabExamples(ScoredExample(query_texts[row[0]], tuple(texts[pid] for pid in row[1:][:nway]), None,
-                                         (row[0], *row[1:][:nway])) for row in rows[:limit])
-
-    (tmp_path / "q.tsv").write_text("q1\twhat is isotropy\nq2\tmaxsim\n", encoding="utf-8")
-    (tmp_path / "c.tsv").write_text("a\tuniform directions\nb\tlate interaction\nc\tbm25\n", encoding="utf-8")
-    (tmp_path / "ex.tab").write_text("q1\ta\tc\nq2\tb\ta\n", encoding="utf-8")
-    opened = open_example_source("tab_examples", tmp_path / "ex.tab", queries=tmp_path / "q.tsv",
-                                 collection=tmp_path / "c.tsv", nway=2, selection="top")
-    assert [(e.query, e.documents) for e in opened] == [("what is isotropy", ("uniform directions", "bm25")),
-                                                         ("maxsim", ("late interaction", "uniform directions"))]
-    with pytest.raises(UserError, match="depth only apply to run, not to tab_examples"):
-        open_example_source("tab_examples", tmp_path / "ex.tab", queries=tmp_path / "q.tsv",
-                            collection=tmp_path / "c.tsv", depth=5)
+    first = printed("--config", "colbert", "--config", "presets/smoke", "--config", str(delta))
+    assert "class_path: my_reader.TabFile" in first
+    (tmp_path / "printed.yaml").write_text(first)
+    assert printed("--config", str(tmp_path / "printed.yaml")) == first
+    again = fit("--config", str(tmp_path / "printed.yaml"), root="again")
+    assert [(e.query, e.documents) for e in again.datamodule.train_dataset] == [(e.query, e.documents)
+                                                                                for e in dataset]
+    assert again.datamodule.hparams == cli.datamodule.hparams and again.trainer.global_step == 2
 
