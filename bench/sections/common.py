@@ -106,7 +106,7 @@ def base_index(config: BenchConfig, dataset: Any, encoder: Any, encoding: str = 
 def variant_index(config: BenchConfig, base: Any, name: str) -> tuple[Any, float]:
     """A copy of ``base`` (vectors hard-linked, not copied) with the variant's search structures; build seconds."""
     from hil.provenance import write_json_atomic
-    from hil.retrieval.backends.configs import INDEX_CONFIGS
+    from hil.retrieval.backends.configs import REGISTRY
     from hil.retrieval.builder import rebuild_search_structures
     from hil.retrieval.index import TokenIndex
 
@@ -127,7 +127,7 @@ def variant_index(config: BenchConfig, base: Any, name: str) -> tuple[Any, float
         os.link(path, target / path.name) if path.name.endswith(".npy") else shutil.copy(path, target / path.name)
     tick = time.perf_counter()
     settings = {**params, **config.index.plaid_params} if kind == "plaid" else params
-    index = rebuild_search_structures(TokenIndex.load(target), INDEX_CONFIGS[kind](**settings), progress=False)
+    index = rebuild_search_structures(TokenIndex.load(target), REGISTRY[kind].index_config(**settings), progress=False)
     seconds = time.perf_counter() - tick
     write_json_atomic(target / "index.json", {**index.meta, "bench_build_s": seconds})
     return TokenIndex.load(target), seconds
