@@ -219,6 +219,7 @@ def test_progress_lines_start_at_the_first_step_between_logging_steps(shared_dir
     from pytorch_lightning.loggers import CSVLogger
 
     from hil.data.datamodule import TrainingDataModule
+    from hil.data.triples_file import TextTriples
     from hil.modeling.callbacks import ProgressLines
     from hil.modeling.encoder import ColBERTEncoder
 
@@ -228,7 +229,7 @@ def test_progress_lines_start_at_the_first_step_between_logging_steps(shared_dir
     lines.stream, lines.clock = io.StringIO(), lambda: float(next(ticks))
     model = RetrieverModule(ColBERTEncoder(backbone="bert-tiny-splade", dim=16, query_maxlen=16, doc_maxlen=32),
                             optimizer=partial(torch.optim.AdamW, lr=1e-4))
-    data = TrainingDataModule(triples="msmarco/triples.train.small.head1000.tsv", max_triples=24, batch_size=4)
+    data = TrainingDataModule(TextTriples("msmarco/triples.train.small.head1000.tsv"), max_triples=24, batch_size=4)
     trainer = pl.Trainer(max_steps=6, accelerator="cpu", logger=CSVLogger(tmp_path), log_every_n_steps=5,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          callbacks=[lines])

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from hil.data.datamodule import TrainingDataModule
 from hil.data.idf import IDFTable
+from hil.data.triples_file import TextTriples
 from hil.modeling.contracts import EncodedBatch
 from hil.modeling.hil import HILEncoder, RunningMoments
 from hil.modeling.hil_scoring import (
@@ -318,7 +319,7 @@ def hil_module(**encoder_settings) -> RetrieverModule:
 def test_training_lowers_the_loss_computes_idf_and_logs_delta_interiso(shared_dir, tmp_path):
     pl.seed_everything(0)
     model = hil_module(dim=32, query_maxlen=16, doc_maxlen=40)
-    data = TrainingDataModule(triples=TRIPLES, max_triples=4, batch_size=4, shuffle=False)
+    data = TrainingDataModule(TextTriples(TRIPLES), max_triples=4, batch_size=4, shuffle=False)
     logged: list[dict[str, float]] = []
 
     class Record(pl.Callback):
@@ -352,16 +353,16 @@ def test_training_lowers_the_loss_computes_idf_and_logs_delta_interiso(shared_di
 
 @pytest_integration
 def test_idf_sources_and_checkpoint_roundtrip(shared_dir, tmp_path):
-    data = TrainingDataModule(triples=TRIPLES, idf_source=TRIPLES, idf_max_docs=30)
+    data = TrainingDataModule(TextTriples(TRIPLES), idf_source=TRIPLES, idf_max_docs=30)
     texts, label = data.idf_documents()
     assert len(texts) == 30 and len(set(texts)) == 30 and "triples" in label
-    texts, label = TrainingDataModule(triples=TRIPLES, idf_source="scifact", idf_max_docs=30).idf_documents()
+    texts, label = TrainingDataModule(TextTriples(TRIPLES), idf_source="scifact", idf_max_docs=30).idf_documents()
     assert len(texts) == 30 and "scifact" in label
     with pytest.raises(FileNotFoundError, match="idf_source"):
-        TrainingDataModule(triples=TRIPLES, idf_source="no-such-dataset-anywhere/x/y").idf_documents()
-    assert TrainingDataModule(triples=TRIPLES, idf_source="none").idf_documents() is None
+        TrainingDataModule(TextTriples(TRIPLES), idf_source="no-such-dataset-anywhere/x/y").idf_documents()
+    assert TrainingDataModule(TextTriples(TRIPLES), idf_source="none").idf_documents() is None
     with pytest.raises(ValueError, match="setup"):  # "train" needs the triples loaded
-        TrainingDataModule(triples=TRIPLES).idf_documents()
+        TrainingDataModule(TextTriples(TRIPLES)).idf_documents()
 
     def fit_no_steps(module: RetrieverModule, data: TrainingDataModule) -> pl.Trainer:
         trainer = pl.Trainer(max_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -370,7 +371,7 @@ def test_idf_sources_and_checkpoint_roundtrip(shared_dir, tmp_path):
         return trainer
 
     model = hil_module()
-    trainer = fit_no_steps(model, TrainingDataModule(triples=TRIPLES, max_triples=4, idf_source="none"))
+    trainer = fit_no_steps(model, TrainingDataModule(TextTriples(TRIPLES), max_triples=4, idf_source="none"))
     assert not model.encoder.has_idf and torch.equal(model.encoder.idf, torch.ones_like(model.encoder.idf))
 
     model.encoder.set_idf_from_texts(DOCS, source="toy")
@@ -386,8 +387,8 @@ def test_idf_sources_and_checkpoint_roundtrip(shared_dir, tmp_path):
     # init_from keeps the source's IDF: setup does not recompute it, whatever the data module names
     tuned = RetrieverModule(HILEncoder(backbone="bert-tiny-splade", dim=16, query_maxlen=12, doc_maxlen=24),
                             HILLoss(), init_from=str(tmp_path / "hil.ckpt"))
-    fit_no_steps(tuned, TrainingDataModule(triples=TRIPLES, max_triples=4))
+    fit_no_steps(tuned, TrainingDataModule(TextTriples(TRIPLES), max_triples=4))
     assert torch.equal(tuned.encoder.idf, model.encoder.idf)
     fresh = hil_module()
-    fit_no_steps(fresh, TrainingDataModule(triples=TRIPLES, max_triples=4))  # idf_source: train (the default)
+    fit_no_steps(fresh, TrainingDataModule(TextTriples(TRIPLES), max_triples=4))  # idf_source: train (the default)
     assert fresh.encoder.has_idf and "training triples" in fresh.encoder.idf_source

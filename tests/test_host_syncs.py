@@ -35,6 +35,7 @@ from pytorch_lightning.plugins.precision import MixedPrecision
 
 from hil.data.datamodule import TokenizedCollate, TrainingDataModule, collate_examples
 from hil.data.triples import Triple
+from hil.data.triples_file import TextTriples
 from hil.modeling.backbone_mask import backbone_attention_mask
 from hil.modeling.callbacks import (
     NonFiniteGuard,
@@ -113,7 +114,7 @@ def fit(tmp_path: Path, module: RetrieverModule, steps: int, log_every: int = 3,
         max_triples: int = 64, batch_size: int = 4, **trainer_args) -> pl.Trainer:
     """``train.py``'s callbacks around a short run: reseeding, the guard, progress lines and the progress bar, a
     learning-rate monitor and a CSV logger."""
-    data = TrainingDataModule(triples=TRIPLES, max_triples=max_triples, batch_size=batch_size, seed=3,
+    data = TrainingDataModule(TextTriples(TRIPLES), max_triples=max_triples, batch_size=batch_size, seed=3,
                              num_workers=num_workers)
     lines = ProgressLines(every_n_seconds=1e-6, when="always")
     lines.stream = io.StringIO()
@@ -328,7 +329,7 @@ def test_nonfinite_gradients_is_any_nan_or_inf_of_any_gradient():
 def string_loop_losses(module: RetrieverModule, steps: int, base_seed: int, batch_size: int) -> list[float]:
     """The old path written out: batches of strings from the same sampler, tokenized by ``compute_loss``, the step
     seeded as StepReseed does, AdamW stepped by hand."""
-    data = TrainingDataModule(triples=TRIPLES, max_triples=64, batch_size=batch_size, seed=3, num_workers=0)
+    data = TrainingDataModule(TextTriples(TRIPLES), max_triples=64, batch_size=batch_size, seed=3, num_workers=0)
     data.setup("fit")
     optimizer = module.configure_optimizers()["optimizer"]
     module.train()
@@ -358,7 +359,7 @@ def csv_losses(trainer: pl.Trainer) -> list[float]:
 def test_tokenizing_in_loader_workers_gives_the_loss_curve_of_the_string_path(shared_dir, tmp_path, architecture):
     reference = tiny_module(architecture)
     if architecture == "hil":  # what setup does from the training passages
-        data = TrainingDataModule(triples=TRIPLES, max_triples=64, batch_size=4, seed=3)
+        data = TrainingDataModule(TextTriples(TRIPLES), max_triples=64, batch_size=4, seed=3)
         data.setup("fit")
         reference.encoder.set_idf_from_texts(*data.idf_documents())
     expected = string_loop_losses(reference, steps=5, base_seed=11, batch_size=4)
@@ -385,7 +386,7 @@ def test_a_run_resumed_with_loader_workers_equals_the_uninterrupted_run(shared_d
     # 24 triples in batches of 4: 6 batches an epoch; the checkpoint at step 3, while the workers read ahead
     fit(tmp_path / "a", whole, steps=8, num_workers=2, max_triples=24, callbacks=(checkpoints, whole_texts))
     resumed = tiny_module()
-    data = TrainingDataModule(triples=TRIPLES, max_triples=24, batch_size=4, seed=3, num_workers=2)
+    data = TrainingDataModule(TextTriples(TRIPLES), max_triples=24, batch_size=4, seed=3, num_workers=2)
     trainer = pl.Trainer(max_steps=8, accelerator="cpu", logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path / "b",
                          callbacks=[StepReseed(11), NonFiniteGuard(), resumed_texts])

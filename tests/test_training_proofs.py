@@ -21,6 +21,7 @@ import pytorch_lightning as pl
 import torch
 
 from hil.data.datamodule import TrainingDataModule
+from hil.data.triples_file import TextTriples
 from hil.isotropy.regularizers import CosRegRegularizer, InterIsoRegularizer
 from hil.modeling.contracts import EncodedBatch
 from hil.modeling.encoder import ColBERTEncoder
@@ -156,7 +157,7 @@ def test_overfitting_a_handful_of_triples_prefers_every_positive(shared_dir, tmp
     else:
         encoder, loss = HILEncoder("bert-tiny-splade", **settings), HILLoss()
     module = RetrieverModule(encoder, loss, optimizer=partial(torch.optim.AdamW, lr=1e-3))
-    data = TrainingDataModule(triples=TRIPLES, max_triples=6, batch_size=6, shuffle=False)
+    data = TrainingDataModule(TextTriples(TRIPLES), max_triples=6, batch_size=6, shuffle=False)
     data.setup("fit")
     triples = data.train_dataset.triples
     trainer = pl.Trainer(max_steps=20, accelerator="cpu", logger=False, enable_checkpointing=False,

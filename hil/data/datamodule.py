@@ -353,7 +353,7 @@ class TrainingDataModule(pl.LightningDataModule):
         """The training examples, as the reader opens them (every line checked when first opened)."""
         dataset = self.reader.open(self.read)
         if len(dataset) == 0:
-            raise UserError(f"data.source: no training examples were loaded ({self.reader.describe()})")
+            raise UserError(f"data.source: no training triples or examples were loaded ({self.reader.describe()})")
         return dataset
 
     def prepare_data(self) -> None:
