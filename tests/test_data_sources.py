@@ -149,3 +149,23 @@ def test_old_config_files_are_read_in_their_order_and_printed_in_the_new_spellin
     assert printed(capsys, "--config", write(tmp_path / "printed.yaml", yaml.safe_dump(deeper)))[0] == deeper
     line, _ = printed(capsys, "--config", "colbert", "--config", run, "--data.run_depth", "3")
     assert line["data"]["source"]["init_args"]["depth"] == 3
+
+
+def test_a_readers_settings_are_typed_on_the_command_line(tmp_path, capsys, shared_dir):
+    """A reader's ``__init__`` types are its settings' types in ``hil fit``: a value outside them is one line, exit 2,
+    when the command line is parsed (before any model loads), naming the setting; ``--help`` shows no setting
+    unvalidated."""
+    from hil.cli.train import train_main
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as done:
+        train_main(["fit", "--config", "colbert", "--data.source", "TrecRun", "--data.source.path", "r.trec",
+                    "--data.source.queries", "q.tsv", "--data.source.collection", "c.tsv", "--data.source.selection",
+                    "random", "--trainer.default_root_dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and 'key "selection": Expected a typing.Literal' in err and "random" in err, err
+    assert "Loading weights" not in err
+    with pytest.raises(SystemExit):
+        train_main(["fit", "--data.source.help", "TrecRun"])
+    shown = capsys.readouterr().out
+    assert "--data.source.depth" in shown and "Unvalidated" not in shown

@@ -16,7 +16,7 @@ import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Iterator, Protocol, runtime_checkable
+from typing import Any, Iterator, Protocol, runtime_checkable
 
 from hil.errors import MissingInputError
 from hil.paths import resolve_data_file
@@ -116,7 +116,9 @@ class ExampleReader(ABC):
     (``tests/test_extension_points.py`` trains through ``hil fit`` from one defined outside the package).
     """
 
-    n_documents: ClassVar[int | None] = None  # a fixed N of every example (triples: 2); None: ``data.nway`` applies
+    # a fixed N of every example (triples: 2); None: ``data.nway`` applies. Not a ClassVar annotation: a parser
+    # resolves a reader's annotations in the reader's module, which need not import ClassVar
+    n_documents: int | None = None
 
     def resolve(self, read: ReadSettings) -> tuple[ExampleReader, ReadSettings]:
         """The reader that reads and the settings it reads with, checked when the data module is made (before any
