@@ -190,3 +190,31 @@ def test_every_documented_fit_command_parses_in_the_new_spelling(capsys, shared_
     for line, argv in commands.items():
         config, err = printed(capsys, *argv)
         assert "deprecated" not in err and config["data"]["source"]["class_path"].startswith("hil.data."), line
+
+
+def test_mined_triples_are_what_bm25_mining_gives_with_the_data_seed(tmp_path):
+    """``MinedTriples`` through the data module: the triples ``mine_bm25_triples`` gives for the split, the reader's
+    negatives and depth, and ``data.seed``, cut to ``data.max_triples``."""
+    import json
+
+    from hil.data.beir import load_beir
+    from hil.data.triples import MinedTriples, mine_bm25_triples
+
+    folder = tmp_path / "mini"
+    (folder / "qrels").mkdir(parents=True)
+    words = ["cats purr", "dogs bark", "cats and dogs", "birds sing", "fish swim", "cats sleep", "dogs run far",
+             "birds and cats", "fish and dogs", "cats climb trees"]
+    (folder / "corpus.jsonl").write_text("".join(json.dumps({"_id": f"d{i}", "title": "", "text": text}) + "\n"
+                                                 for i, text in enumerate(words)), encoding="utf-8")
+    queries = {"q1": "cats", "q2": "dogs", "q3": "birds"}
+    (folder / "queries.jsonl").write_text("".join(json.dumps({"_id": k, "text": v}) + "\n" for k, v in queries.items()))
+    (folder / "qrels" / "train.tsv").write_text("query-id\tcorpus-id\tscore\nq1\td0\t1\nq2\td1\t1\nq3\td3\t1\n")
+
+    def mined(seed: int) -> list:
+        return mine_bm25_triples(load_beir(str(folder), split="train"), negatives_per_query=2, depth=8, seed=seed)
+
+    data = TrainingDataModule(MinedTriples(str(folder), negatives_per_query=2, depth=8), max_triples=4, seed=7)
+    data.setup("fit")
+    assert list(data.train_dataset) == mined(7)[:4] and len(mined(7)) == 5 and mined(7) != mined(12345)
+    assert data.describe_source() == (f"data.source=MinedTriples(dataset={folder}, split=train, "
+                                      f"negatives_per_query=2, depth=8)")
