@@ -38,8 +38,11 @@ import torch
 from torch.utils.data import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-import hil.data.teacher_output  # noqa: F401 -- with triples_file, the built-in readers: named by class name in a
-import hil.data.triples_file  # noqa: F401 -- config and listed by `hil fit --help` (another by its class_path)
+# The built-in readers' modules, imported so that a config may name a reader by its class name and `hil fit --help`
+# lists them (a reader of your own is named by its full class_path). teacher_output imports nway_files, run_examples
+# and pylate_files; triples_file imports triples.
+import hil.data.teacher_output  # noqa: F401
+import hil.data.triples_file  # noqa: F401
 from hil.data.distinct import StreamedTexts, iter_distinct
 from hil.data.examples import ExampleReader, ExampleSource, ReadSettings, ScoredExample
 from hil.data.tokenization import ColBERTTokenizer
