@@ -16,7 +16,7 @@ HIL="${HIL:-.venv/bin/hil}"
 # 3. students, the cpu preset's backbone and lengths: 60 steps of 16 queries x 8 documents (about one pass over the
 #    994 queries). The teacher's cosines (0.3-0.8) are nearly flat under a softmax at temperature 1, so the teacher
 #    is sharpened with T = 0.05 (the scale of 20 sentence-transformers trains MiniLM's cosines with).
-COMMON=(--config configs/presets/cpu.yaml --data.triples null --data.teacher_output "$WORK/data/examples.jsonl" --data.nway 8
+COMMON=(--config configs/presets/cpu.yaml --data.source TeacherOutput --data.source.path "$WORK/data/examples.jsonl" --data.nway 8
         --data.batch_size 16 --trainer.max_steps 60 --model.loss.init_args.teacher_temperature 0.05)
 for variant in colbert_distill colbert_hil_distill colbert_distill_iso; do
   "$PY" train.py fit --config configs/colbert.yaml --config "configs/variants/$variant.yaml" "${COMMON[@]}" \

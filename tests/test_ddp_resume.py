@@ -66,8 +66,9 @@ def nway_examples(folder: Path, shared_dir: Path) -> list[str]:
             examples.write(json.dumps([f"q{i}", [pid(positive), 3.0], [pid(negative), 0.5], [pid(other), 1.5]]) + "\n")
     (folder / "collection.tsv").write_text("".join(f"{p}\t{' '.join(t.split())}\n" for t, p in passages.items()),
                                           encoding="utf-8")
-    return ["--data.triples", "null", "--data.nway_examples", str(folder / "examples.jsonl"), "--data.queries",
-            str(folder / "queries.tsv"), "--data.collection", str(folder / "collection.tsv"), "--data.nway", "3",
+    return ["--data.source", "NWayExamples", "--data.source.path", str(folder / "examples.jsonl"),
+            "--data.source.queries", str(folder / "queries.tsv"), "--data.source.collection",
+            str(folder / "collection.tsv"), "--data.nway", "3",
             "--model.loss", "hil.modeling.losses.KLDistillation",
             "--model.terms+=hil.modeling.losses.InBatchCE"]
 
