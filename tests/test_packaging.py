@@ -48,7 +48,7 @@ def test_train_evaluate_and_share_scripts_from_outside_the_repository(shared_dir
     assert trained.returncode == 0, trained.stderr[-3000:]
     record = json.loads((out / "export" / "hil_config.json").read_text())
     assert record["settings"]["architecture"] == "hil" and record["global_step"] == 1
-    assert record["data"]["triples"] == "msmarco/triples.train.small.head1000.tsv"
+    assert record["data"]["source"]["init_args"]["path"] == "msmarco/triples.train.small.head1000.tsv"
     evaluated = script("hil-evaluate", "--model", str(out / "export"), "--dataset", "scifact", "--max-docs", "40",
                        "--max-queries", "4", "--mode", "exhaustive", "--no-bm25", "--no-stats", "--quiet",
                        "--output", str(tmp_path / "eval"), cwd=tmp_path)
