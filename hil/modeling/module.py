@@ -328,9 +328,13 @@ class RetrieverModule(pl.LightningModule):
         A refused export is still written, beside it (``<name>.new``, named in the ``ExportRefused``): the weights
         are what training made."""
         trainer = self._trainer  # None outside a Trainer (self.trainer raises then)
+        # Each logger's own folder, not ``trainer.log_dir``: that one is broadcast from rank 0, a collective that
+        # hangs (or, on gloo, fails) when only rank 0 exports after a DDP fit.
+        logs = [] if trainer is None else [("log folder", getattr(logger, "log_dir", None))
+                                           for logger in trainer.loggers]
         run = [] if trainer is None else [
             (what, str(folder)) for what, folder in (
-                ("trainer.default_root_dir", trainer.default_root_dir), ("log folder", trainer.log_dir),
+                ("trainer.default_root_dir", trainer.default_root_dir), *logs,
                 ("checkpoint folder", getattr(trainer.checkpoint_callback, "dirpath", None))) if folder]
         return export_model(self.encoder, directory, extra={
             "training": self.training_record(), "global_step": int(self.global_step),
