@@ -157,7 +157,7 @@ def test_cli_evaluates_a_set_with_outside_judgments(small_set, tmp_path, caplog)
     out = tmp_path / "o"
     with caplog.at_level(logging.WARNING, logger="hil.data.beir"):
         assert main(cli("--dataset", small_set.source, "--mode", "exhaustive", "--k", "10", "--device", "cpu",
-                        "--output", str(out))) == 0
+                        "--index-root", str(tmp_path / "indexes"), "--output", str(out))) == 0
     warnings = [r.getMessage() for r in caplog.records if "outside the corpus" in r.getMessage()]
     assert len(warnings) == 1 and "8 of 20 judgments" in warnings[0]
     record = json.loads((out / "metrics.json").read_text())
