@@ -94,6 +94,31 @@ def fingerprint_strings(items: Iterable[str]) -> str:
     return digest.hexdigest()[:16]
 
 
+def place_file(source: str | os.PathLike, target: str | os.PathLike, *, overwrite: bool) -> None:
+    """``target`` becomes the same file as ``source`` (a hard link; a copy where the file system has none), atomically;
+    ``source`` stays. Without ``overwrite`` only where no file is: a file another process put there meanwhile raises
+    ``FileExistsError`` and is kept (a run file checked absent when a command started, then written by another)."""
+    source, target = Path(source), Path(target)
+    if target.exists() and os.path.samefile(source, target):
+        return  # already this file (rename() between two links of one file would do nothing)
+    if not overwrite:
+        try:
+            os.link(source, target)  # fails, atomically, when the name is taken
+            return
+        except FileExistsError:
+            raise FileExistsError(f"{target}: a file is there") from None
+        except OSError:  # no hard links here: checked, then copied and renamed into place
+            if target.exists():
+                raise FileExistsError(f"{target}: a file is there") from None
+    staged = target.with_name(f".{target.name}.{os.getpid()}.placed")
+    staged.unlink(missing_ok=True)
+    try:
+        os.link(source, staged)
+    except OSError:
+        shutil.copyfile(source, staged)
+    os.replace(staged, target)
+
+
 @contextmanager
 def atomic_output(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; on success it is renamed to ``path``, on error removed.

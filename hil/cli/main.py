@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 import textwrap
 from dataclasses import replace
@@ -398,28 +397,15 @@ def own_queries_search(request: QuerySearch) -> int:
 
 
 def link_run(source: Path, run_file: Path, *, overwrite: bool = True) -> None:
-    """``run_file`` becomes the same file as ``source`` (a hard link, replacing what was there atomically); a copy
-    where the file system has no hard links. Without ``overwrite`` the link is created only where nothing is (it was
-    checked absent when the command started): a file another process wrote there meanwhile is refused, not
-    replaced."""
-    if run_file.exists() and os.path.samefile(source, run_file):
-        return  # a rerun that reused the ranking (rename() between two links of one file would do nothing)
-    if not overwrite:
-        try:
-            os.link(source, run_file)  # fails, atomically, when the name is taken
-            return
-        except FileExistsError:
-            raise UserError(f"--output {run_file}: written by another process while this search ran; this "
-                            f"ranking is kept in {source} (give --overwrite to replace the file)") from None
-        except OSError:
-            pass  # no hard links here: a copy, renamed into place below
-    staging = run_file.with_name(f".{run_file.name}.{os.getpid()}.tmp")
-    staging.unlink(missing_ok=True)
+    """``run_file`` becomes the same file as ``source`` (:func:`hil.provenance.place_file`); without ``overwrite`` a
+    file another process wrote there since the command started is refused, not replaced."""
+    from hil.provenance import place_file
+
     try:
-        os.link(source, staging)
-    except OSError:
-        shutil.copyfile(source, staging)
-    os.replace(staging, run_file)
+        place_file(source, run_file, overwrite=overwrite)
+    except FileExistsError:
+        raise UserError(f"--output {run_file}: written by another process while this search ran; this ranking is "
+                        f"kept in {source} (give --overwrite to replace the file)") from None
 
 
 def training(argv: list[str]) -> int:

@@ -31,7 +31,7 @@ from typing import Any
 from hil.errors import MissingInputError, UserError, check_output_path
 from hil.evaluation.experiment import DatasetSpec, Experiment, ModelSpec
 from hil.evaluation.settings import EvaluationSettings, run_name
-from hil.provenance import atomic_output, write_json_atomic
+from hil.provenance import atomic_output, place_file, write_json_atomic
 
 CORPUS_RECORD = "corpus.json"
 INDEX_JSON = "index.json"  # hil.retrieval.index.INDEX_JSON (not imported: that module imports torch)
@@ -305,16 +305,10 @@ def staging(path: Path) -> Path:
 
 
 def publish(source: Path, target: Path, option: str, overwrite: bool) -> None:
-    """``source`` becomes ``target`` atomically; without ``overwrite`` only where no file is."""
-    if not overwrite:
-        try:
-            os.link(source, target)  # fails, atomically, when the name is taken
-            return
-        except FileExistsError:
-            raise UserError(f"{option} {target}: written by another process while this search ran; give "
-                            "--overwrite to replace it") from None
-        except OSError:
-            if target.exists():  # no hard links here: checked, then renamed
-                raise UserError(f"{option} {target}: written by another process while this search ran; give "
-                                "--overwrite to replace it") from None
-    os.replace(source, target)
+    """``source`` becomes ``target`` atomically (:func:`hil.provenance.place_file`); without ``overwrite`` only where
+    no file is."""
+    try:
+        place_file(source, target, overwrite=overwrite)
+    except FileExistsError:
+        raise UserError(f"{option} {target}: written by another process while this search ran; give "
+                        "--overwrite to replace it") from None
